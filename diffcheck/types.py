@@ -1,0 +1,201 @@
+"""The data that flows through diffcheck: runs and verdicts.
+
+Knows nothing about engines, files or rendering. Every stage talks in these
+frozen dataclasses: engines produce a `Run`, the store persists it, `align` /
+`classify` turn two runs into a `CaseVerdict`, reports render verdicts.
+
+A `Run` holds its per-step data as flat columns over all sequences (ordered by
+sequence, then step) so the comparison core can stay vectorized; `Run.sequence(i)`
+gives a cheap per-sequence view.
+
+Kinds of run (``RunMeta.kind``):
+
+- ``generate``: the engine sampled its own tokens. Goldens and candidate runs.
+- ``forced``: the candidate engine was teacher-forced along a reference run's
+  tokens in decode mode. ``token_id`` is the reference token, ``logprob`` is the
+  candidate's logprob of it, ``topk_*`` is the candidate's own raw top-k.
+- ``scored``: the reference engine scored a candidate run's tokens through prompt
+  logprobs (prefill). ``token_id`` is the candidate token, ``logprob`` is the
+  reference's logprob of it, ``topk_*`` is the reference's top-k at that position.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+RUN_KINDS = ("generate", "forced", "scored")
+ROLES = ("reference", "candidate")
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Flat per-step columns for all sequences of a run, ordered by (seq, step)."""
+
+    seq: np.ndarray  # int32 [N]
+    step: np.ndarray  # int32 [N]
+    token_id: np.ndarray  # int32 [N]
+    logprob: np.ndarray  # float32 [N], raw logprob of token_id
+    topk_ids: np.ndarray  # int32 [N, K], rank order; -1 where fewer than K
+    topk_logprobs: np.ndarray  # float32 [N, K], descending; -inf where fewer than K
+
+    def __len__(self) -> int:
+        return int(self.token_id.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.topk_ids.shape[1]) if self.topk_ids.ndim == 2 else 0
+
+    @staticmethod
+    def empty(k: int = 0) -> "Steps":
+        return Steps(
+            seq=np.zeros(0, np.int32),
+            step=np.zeros(0, np.int32),
+            token_id=np.zeros(0, np.int32),
+            logprob=np.zeros(0, np.float32),
+            topk_ids=np.zeros((0, k), np.int32),
+            topk_logprobs=np.zeros((0, k), np.float32),
+        )
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """Per-sequence facts: one row per prompt of the prompt set."""
+
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str  # "stop" (natural EOS / stop string), "length", "abort", ...
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """One sequence's slice of a run's columns (numpy views, no copies)."""
+
+    index: int
+    info: SequenceInfo
+    token_id: np.ndarray
+    logprob: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.token_id.shape[0])
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """Everything needed to know what produced a run. Stored as file metadata."""
+
+    suite: str
+    case_id: str
+    role: str  # "reference" | "candidate"
+    kind: str = "generate"  # see RUN_KINDS
+    engine: dict[str, Any] = field(default_factory=dict)
+    # engine: name, version, commit, dirty, requested config, effective config,
+    # forcing mechanism (for kind="forced")
+    model: dict[str, Any] = field(default_factory=dict)  # id, path, digest
+    sampling: dict[str, Any] = field(default_factory=dict)
+    hardware: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    # for forced / scored runs: which runs they were derived from
+    source: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    diffcheck_version: str = ""
+
+
+@dataclass(frozen=True)
+class Run:
+    meta: RunMeta
+    sequences: tuple[SequenceInfo, ...]
+    steps: Steps
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.steps)
+
+    def offsets(self) -> np.ndarray:
+        """Start index of each sequence in `steps`, plus the end: shape [S+1]."""
+        counts = np.fromiter((s.n_tokens for s in self.sequences), np.int64, len(self.sequences))
+        return np.concatenate([[0], np.cumsum(counts)])
+
+    def sequence(self, i: int) -> SequenceView:
+        off = self.offsets()
+        a, b = int(off[i]), int(off[i + 1])
+        st = self.steps
+        return SequenceView(
+            index=i,
+            info=self.sequences[i],
+            token_id=st.token_id[a:b],
+            logprob=st.logprob[a:b],
+            topk_ids=st.topk_ids[a:b],
+            topk_logprobs=st.topk_logprobs[a:b],
+        )
+
+
+class Verdict(enum.Enum):
+    """Ordered by severity; a case's verdict is its worst sequence's."""
+
+    IDENTICAL = 0
+    BENIGN_DRIFT = 1
+    NUMERIC_DRIFT = 2
+    GIBBERISH = 3
+    ERROR = 4
+
+    @property
+    def severity(self) -> int:
+        return self.value
+
+    @staticmethod
+    def worst(verdicts) -> "Verdict":
+        vs = list(verdicts)
+        return max(vs, key=lambda v: v.value) if vs else Verdict.IDENTICAL
+
+
+@dataclass(frozen=True)
+class SequenceVerdict:
+    """The judgement of one candidate sequence against its reference sequence."""
+
+    index: int
+    prompt_id: str
+    verdict: Verdict
+    t_star: int | None  # first divergence step; None when the tokens are identical
+    onset: int | None  # first gibberish step; None unless GIBBERISH
+    shared_prefix: int  # number of identical leading tokens
+    reference_len: int
+    candidate_len: int
+    evidence: tuple[str, ...] = ()  # human-readable reasons, most important first
+    stats: dict[str, Any] = field(default_factory=dict)  # summaries (KL pctiles, same-top1, RMS dp, NLLs)
+    baselines: dict[str, bool] = field(default_factory=dict)  # what older rules say: True = pass
+    quality: dict[str, Any] = field(default_factory=dict)  # the seed's text metrics of the candidate
+    series: dict[str, np.ndarray] = field(default_factory=dict)  # per-step curves for plots
+
+
+@dataclass(frozen=True)
+class CaseVerdict:
+    """A candidate run judged against one reference golden."""
+
+    candidate_id: str
+    reference_id: str
+    verdict: Verdict
+    sequences: tuple[SequenceVerdict, ...]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config_delta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # set when verdict is ERROR
+
+    def __bool__(self) -> bool:
+        return self.verdict in (Verdict.IDENTICAL, Verdict.BENIGN_DRIFT, Verdict.NUMERIC_DRIFT)
+
+    def __str__(self) -> str:
+        worst = max(self.sequences, key=lambda s: s.verdict.value, default=None)
+        where = ""
+        if worst is not None and worst.t_star is not None:
+            where = f" (seq {worst.index} t*={worst.t_star}" + (
+                f" onset={worst.onset})" if worst.onset is not None else ")"
+            )
+        return f"{self.candidate_id} vs {self.reference_id}: {self.verdict.name}{where}"
