@@ -1,0 +1,77 @@
+"""The engine interface: what diffcheck needs from an inference engine.
+
+An engine is opened for one case (one engine configuration) and then asked to
+
+- ``generate``: run the case's prompt set with its sampling parameters and capture
+  the sampled token and the top-k logprobs at every step;
+- ``force``: teacher-force a reference run's tokens through the decode path and
+  return the engine's own top-k at every step (a ``forced`` run);
+- ``score``: score another run's tokens through prompt logprobs (prefill) and
+  return this engine's logprob of each token and its top-k (a ``scored`` run).
+
+Engines know nothing about verdicts or files: they return `Run` objects.
+A failed start or a crash raises `EngineError` (exit 3) with one root-cause line.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from abc import ABC, abstractmethod
+from typing import Any
+
+from diffcheck.types import Run
+
+
+class Engine(ABC):
+    name = "engine"
+
+    @abstractmethod
+    def generate(self, *, progress=None) -> Run: ...
+
+    @abstractmethod
+    def force(self, reference: Run, *, progress=None) -> Run: ...
+
+    @abstractmethod
+    def score(self, run: Run, *, progress=None) -> Run: ...
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """name, version, commit, dirty, requested and effective config."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def hardware() -> dict[str, Any]:
+    """CPU model and the flags that change numerics, or GPU name and count."""
+    info: dict[str, Any] = {"machine": platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu_name"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+            info["cuda"] = torch.version.cuda
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
