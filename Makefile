@@ -10,7 +10,7 @@ CASE    ?= O
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: install model golden test compare bench selftest gpu-bundle clean
+.PHONY: install model browser golden test compare bench selftest gpu-bundle clean
 
 install: $(STAMP)
 
@@ -32,13 +32,21 @@ golden: model
 	$(BIN)/diffcheck golden record --suite $(SUITE)
 	$(BIN)/diffcheck golden verify --suite $(SUITE)
 
-test: model
+# The HTML report is tested in headless Chromium (Debian's package; runs as root here).
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium >/dev/null)
+
+test: model browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 compare: model
 	$(BIN)/diffcheck compare $(CASE) --suite $(SUITE) --html reports/$(CASE).html --json reports/$(CASE).json
 
-selftest: model
+self# The HTML report is tested in headless Chromium (Debian's package; runs as root here).
+browser:
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium >/dev/null)
+
+test: model browser
 	$(BIN)/diffcheck selftest --suite $(SUITE)
 
 bench: model

@@ -1,0 +1,222 @@
+"""The terminal report: a rich table per case, and a close-up of one divergence.
+
+Knows how to print verdicts for a human reading a terminal or a CI log; judges
+nothing. Works on a plain non-tty console (no escape codes are written when the
+output is not a terminal) and honours ``NO_COLOR`` (rich reads it). When this
+module makes the console itself and the output is not a terminal, it uses a
+wide fixed width (`CI_WIDTH`, or ``$COLUMNS``) so CI logs do not wrap the table.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from diffcheck.report import (
+    SequenceTexts,
+    case_baselines,
+    config_delta_lines,
+    printable,
+    worst_sequence,
+)
+from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+
+CI_WIDTH = 160
+EVIDENCE_WIDTH = 60
+
+VERDICT_STYLES = {
+    Verdict.IDENTICAL: "green",
+    Verdict.BENIGN_DRIFT: "cyan",
+    Verdict.NUMERIC_DRIFT: "yellow",
+    Verdict.GIBBERISH: "bold red",
+    Verdict.ERROR: "bold magenta",
+}
+
+
+def make_console(**kwargs) -> Console:
+    """A console for reports: wide when writing to a non-terminal without $COLUMNS."""
+    console = Console(**kwargs)
+    if not console.is_terminal and "width" not in kwargs and not os.environ.get("COLUMNS"):
+        console = Console(width=CI_WIDTH, **kwargs)
+    return console
+
+
+def verdict_text(verdict: Verdict) -> Text:
+    return Text(verdict.name, style=VERDICT_STYLES[verdict])
+
+
+def _num(value: Any, fmt: str = "{:.3f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return fmt.format(value)
+    return str(value)
+
+
+def _truncate(text: str, width: int) -> str:
+    text = printable(text).replace("\n", " ")
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def _baseline_word(passed: bool | None) -> str:
+    return "n/a" if passed is None else ("pass" if passed else "FAIL")
+
+
+def case_table(case: CaseVerdict, *, evidence_width: int = EVIDENCE_WIDTH) -> Table:
+    title = Text.assemble(
+        (f"{case.candidate_id}", "bold"), " vs ", (f"{case.reference_id}", "bold"), ": ", verdict_text(case.verdict)
+    )
+    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False)
+    table.add_column("seq", justify="right")
+    table.add_column("prompt_id")
+    table.add_column("t*", justify="right")
+    table.add_column("verdict")
+    table.add_column("onset", justify="right")
+    table.add_column("evidence", overflow="fold", max_width=evidence_width)
+    table.add_column("digit_ratio", justify="right")
+    table.add_column("weird_runs", justify="right")
+    table.add_column("tokens", justify="right")
+    for sequence in case.sequences:
+        quality = sequence.quality
+        evidence = sequence.evidence[0] if sequence.evidence else ""
+        table.add_row(
+            str(sequence.index),
+            printable(sequence.prompt_id),
+            _num(sequence.t_star),
+            verdict_text(sequence.verdict),
+            _num(sequence.onset),
+            _truncate(evidence, evidence_width),
+            _num(quality.get("digit_ratio")),
+            _num(quality.get("weird_runs")),
+            _num(quality.get("token_count", sequence.candidate_len)),
+        )
+    return table
+
+
+def case_footer(case: CaseVerdict) -> list[Text]:
+    """The lines under a case's table: verdict vs the baselines, then the config delta."""
+    baselines = case_baselines(case)
+    line = Text.assemble(
+        "case ",
+        (case.candidate_id, "bold"),
+        ": ",
+        verdict_text(case.verdict),
+        f"  |  exact match would say: {_baseline_word(baselines.get('exact_match'))}",
+        f"  |  vLLM check_logprobs_close would say: {_baseline_word(baselines.get('check_logprobs_close'))}",
+    )
+    lines = [line]
+    if case.error:
+        lines.append(Text(f"  error: {printable(case.error)}", style=VERDICT_STYLES[Verdict.ERROR]))
+    delta = config_delta_lines(case.config_delta)
+    if delta:
+        lines.append(Text("  config delta (reference -> candidate):"))
+        lines += [Text(f"    {printable(d)}") for d in delta]
+    else:
+        lines.append(Text("  config delta: none recorded"))
+    return lines
+
+
+def render_table(
+    verdicts: Iterable[CaseVerdict],
+    console: Console | None = None,
+    *,
+    evidence_width: int = EVIDENCE_WIDTH,
+) -> Console:
+    """Print one table per case (a row per sequence) and its footer; returns the console."""
+    console = console or make_console()
+    for case in verdicts:
+        if case.sequences:
+            console.print(case_table(case, evidence_width=evidence_width))
+        else:
+            console.print(Text.assemble(f"{case.candidate_id} vs {case.reference_id}: ", verdict_text(case.verdict)))
+        for line in case_footer(case):
+            console.print(line)
+        console.print()
+    return console
+
+
+def _window(tokens: tuple[str, ...], start: int, stop: int) -> str:
+    return printable("".join(tokens[max(start, 0) : max(stop, 0)]))
+
+
+def render_divergence(
+    sequence: SequenceVerdict | CaseVerdict,
+    texts: SequenceTexts | tuple[list[str], list[str]] | None = None,
+    *,
+    console: Console | None = None,
+    window: int = 12,
+) -> Console:
+    """Print where one sequence diverged: the step, both tokens, text around it.
+
+    Given a `CaseVerdict`, shows its worst sequence. ``texts`` are that
+    sequence's token strings (see `SequenceTexts`); without them only the
+    numbers and evidence are printed. ``window`` is tokens (or, for whole
+    texts, 4x as many characters) shown on each side of t*.
+    """
+    console = console or make_console()
+    if isinstance(sequence, CaseVerdict):
+        worst = worst_sequence(sequence)
+        if worst is None:
+            console.print(f"{sequence.candidate_id}: no sequences" + (f" ({sequence.error})" if sequence.error else ""))
+            return console
+        sequence = worst
+    if texts is not None and not isinstance(texts, SequenceTexts):
+        texts = SequenceTexts(*texts)
+
+    header = Text.assemble(
+        f"seq {sequence.index} ({printable(sequence.prompt_id)}): ",
+        verdict_text(sequence.verdict),
+        f"  t*={_num(sequence.t_star)}  onset={_num(sequence.onset)}"
+        f"  shared prefix={sequence.shared_prefix}"
+        f"  tokens reference={sequence.reference_len} candidate={sequence.candidate_len}",
+    )
+    console.print(header)
+    if sequence.t_star is None:
+        console.print("  the candidate's tokens are identical to the reference's")
+    elif texts is not None:
+        _print_text_window(console, sequence, texts, window=window)
+    for item in sequence.evidence:
+        console.print(Text(f"  - {printable(item)}"))
+    return console
+
+
+def _print_text_window(console: Console, sequence: SequenceVerdict, texts: SequenceTexts, *, window: int) -> None:
+    split = texts.split(sequence.shared_prefix)
+    if texts.tokenized:
+        t = split.cut_step
+        reference_token = split.reference_rest[0] if split.reference_rest else "<end>"
+        candidate_token = split.candidate_rest[0] if split.candidate_rest else "<end>"
+        console.print(f"  step {t}: reference token {printable(repr(reference_token))}, "
+                      f"candidate token {printable(repr(candidate_token))}")
+        before = _window(split.prefix, len(split.prefix) - window, len(split.prefix))
+        reference_after = _window(split.reference_rest, 0, window)
+        candidate_after = _window(split.candidate_rest, 0, window)
+    else:
+        chars = 4 * window
+        prefix = "".join(split.prefix)
+        before = printable(prefix[-chars:])
+        reference_after = printable("".join(split.reference_rest)[:chars])
+        candidate_after = printable("".join(split.candidate_rest)[:chars])
+        console.print(f"  first differing character at offset {len(prefix)}")
+    for label, after, style in (
+        ("reference", reference_after, "green"),
+        ("candidate", candidate_after, VERDICT_STYLES.get(sequence.verdict, "red")),
+    ):
+        line = Text(f"  {label:>9}: …")
+        line.append(before.replace("\n", "⏎"), style="dim")
+        line.append(after.replace("\n", "⏎"), style=style)
+        line.append("…")
+        # One line per side even in narrow logs: crop rather than wrap.
+        console.print(line, no_wrap=True, overflow="ellipsis")
+
+
+def print_meta(meta: Mapping[str, Any], console: Console | None = None) -> Console:
+    """One ``key: value`` line per meta entry (used above the tables)."""
+    console = console or make_console()
+    for key, value in meta.items():
+        console.print(Text(f"{key}: {printable(str(value))}", style="dim"))
+    return console
