@@ -1,0 +1,701 @@
+"""The case language: `cases/<suite>.toml` -> validated, fully resolved `Case`s.
+
+Knows the TOML schema of suites and prompt files, inheritance, ``${VAR}``
+expansion, and what defines a run (`resolved_config`, `config_digest`,
+`config_delta`). Knows nothing about engines: an `EngineConfig` is data; how a
+field maps onto vLLM (``kv_cache_memory_gib`` -> ``VLLM_CPU_KVCACHE_SPACE`` on
+CPU, ...) is the engine adapter's business.
+
+Rules of the language (a suite with one bad case is refused whole; every error
+is one `ConfigError` line naming the file, the case, the key and what is valid):
+
+- ``[defaults]`` is the implicit base of every case; ``inherits = "ID"`` adds a
+  parent. Tables merge recursively (the child's keys win), lists and scalars
+  replace. ``expect`` and ``description`` are *not* inherited: they label one
+  case, not a configuration (a fault case inheriting a clean case must not
+  inherit "not GIBBERISH").
+- TOML has no null: ``key = "default"`` in ``sampling``/``engine`` resets an
+  inherited value to the engine's own default.
+- ``model`` and ``prompts`` expand ``${VAR}`` and ``${VAR:-default}`` from the
+  environment; ``prompts`` is relative to the suite file's folder.
+- A candidate names its references; references must be cases of role
+  ``reference`` with the same prompts (runs are compared prompt by prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from diffcheck.errors import ConfigError
+from diffcheck.types import ROLES, Verdict
+
+DEFAULT_SUITE = "default"
+RESET = "default"  # the value that resets an inherited sampling/engine key
+EXPECTABLE = ("IDENTICAL", "BENIGN_DRIFT", "NUMERIC_DRIFT", "GIBBERISH")
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+ENGINE_KINDS = ("vllm",)
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # case ids name golden folders
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling. None means "engine default"."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    logprobs: int | None = None  # top-k logprobs captured per step
+    min_tokens: int | None = None
+    stop: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine construction. None means "engine default"; `extra` goes verbatim to the constructor."""
+
+    kind: str = "vllm"
+    tensor_parallel_size: int | None = None
+    attention_backend: str | None = None
+    cudagraph_mode: str | None = None
+    compile_mode: int | None = None
+    enforce_eager: bool | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_gib: float | None = None
+    seed: int | None = None
+    trust_remote_code: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """A case's label for `diffcheck selftest`: the verdict it must (or must not) get."""
+
+    verdict: Verdict | None = None
+    not_verdict: tuple[Verdict, ...] = ()
+    onset: int | None = None
+    onset_tolerance: int = 0
+
+    def matches(self, verdict: Verdict, onset: int | None = None) -> bool:
+        if verdict in self.not_verdict:
+            return False
+        if self.verdict is not None and verdict is not self.verdict:
+            return False
+        if self.onset is not None:
+            return onset is not None and abs(onset - self.onset) <= self.onset_tolerance
+        return True
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    chat: bool = True  # apply the model's chat template
+    system: str | None = None  # None: the template's own system message, if any
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    suite: str
+    role: str  # "reference" | "candidate"
+    description: str
+    references: tuple[str, ...]
+    model: str  # a known model id or a path, ${VAR} expanded
+    prompts_file: Path
+    sampling: Sampling
+    engine: EngineConfig
+    env: dict[str, str]
+    expect: Expect | None
+    tolerances: dict[str, float]
+    tags: tuple[str, ...]
+    inherits: str | None
+    source: Path
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    path: Path
+    cases: dict[str, Case]
+
+
+# --- the schema -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One typed key: kind is int | number | bool | str | enum | strlist | table."""
+
+    kind: str
+    choices: tuple[str, ...] = ()
+    lo: float | None = None
+    hi: float | None = None
+    above: float | None = None  # exclusive lower bound
+    finite: bool = True  # inf is refused except where it means "no limit" (tolerances)
+
+
+SAMPLING_SPEC = {
+    "max_tokens": _Spec("int", lo=1),
+    "temperature": _Spec("number", lo=0),
+    "top_p": _Spec("number", above=0, hi=1),
+    "top_k": _Spec("int", lo=-1),  # -1 (and 0) disable top-k in vLLM
+    "seed": _Spec("int"),
+    "ignore_eos": _Spec("bool"),
+    "skip_special_tokens": _Spec("bool"),
+    "logprobs": _Spec("int", lo=0),
+    "min_tokens": _Spec("int", lo=0),
+    "stop": _Spec("strlist"),
+}
+ENGINE_SPEC = {
+    "kind": _Spec("enum", ENGINE_KINDS),
+    "tensor_parallel_size": _Spec("int", lo=1),
+    "attention_backend": _Spec("str"),  # free: forks add backends (FLASH_ATTN_V100)
+    "cudagraph_mode": _Spec("enum", CUDAGRAPH_MODES),
+    "compile_mode": _Spec("int", lo=0, hi=3),
+    "enforce_eager": _Spec("bool"),
+    "dtype": _Spec("enum", DTYPES),
+    "kv_cache_dtype": _Spec("enum", KV_CACHE_DTYPES),
+    "quantization": _Spec("str"),
+    "max_model_len": _Spec("int", lo=1),
+    "max_num_seqs": _Spec("int", lo=1),
+    "max_num_batched_tokens": _Spec("int", lo=1),
+    "enable_prefix_caching": _Spec("bool"),
+    "enable_chunked_prefill": _Spec("bool"),
+    "gpu_memory_utilization": _Spec("number", above=0, hi=1),
+    "kv_cache_memory_gib": _Spec("number", above=0),
+    "seed": _Spec("int"),
+    "trust_remote_code": _Spec("bool"),
+    "extra": _Spec("table"),
+}
+EXPECT_SPEC = {
+    "verdict": _Spec("enum", EXPECTABLE),
+    "not_verdict": _Spec("strlist", EXPECTABLE),
+    "onset": _Spec("int", lo=0),
+    "onset_tolerance": _Spec("int", lo=0),
+}
+CONFIG_KEYS = ("model", "prompts", "sampling", "engine", "env", "tolerances", "tags")
+CASE_KEYS = ("inherits", "role", "references", "description", "expect") + CONFIG_KEYS
+_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
+               "strlist": "a list of strings", "table": "a table"}
+
+
+def _q(value: Any, limit: int = 60) -> str:
+    """repr on one line, shortened: error messages stay one line whatever the input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _valid(options) -> str:
+    return "valid: " + ", ".join(sorted(options))
+
+
+def _check_value(key: str, value: Any, spec: _Spec) -> str | None:
+    """The reason `value` is wrong for `spec`, or None."""
+    kind = spec.kind
+    if kind in ("int", "number"):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        ok = is_int or (kind == "number" and isinstance(value, float) and not math.isnan(value))
+        if not ok or (isinstance(value, float) and spec.finite and math.isinf(value)):
+            what = _TYPE_NAMES[kind] if not spec.finite or kind == "int" else "a finite number"
+            return f"{key} must be {what}, got {_q(value)}"
+        checks = []
+        if spec.lo is not None:
+            checks.append((f">= {spec.lo:g}", value >= spec.lo))
+        if spec.above is not None:
+            checks.append((f"> {spec.above:g}", value > spec.above))
+        if spec.hi is not None:
+            checks.append((f"<= {spec.hi:g}", value <= spec.hi))
+        if not all(ok for _, ok in checks):
+            return f"{key} must be {' and '.join(text for text, _ in checks)}, got {_q(value)}"
+        return None
+    if kind == "bool":
+        return None if isinstance(value, bool) else f"{key} must be true or false, got {_q(value)}"
+    if kind == "str":
+        return None if isinstance(value, str) and value else f"{key} must be a non-empty string, got {_q(value)}"
+    if kind == "enum":
+        if isinstance(value, str) and value in spec.choices:
+            return None
+        return f"{key} must be one of {', '.join(spec.choices)}; got {_q(value)}"
+    if kind == "strlist":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return f"{key} must be a list of strings, got {_q(value)}"
+        bad = [v for v in value if spec.choices and v not in spec.choices]
+        return f"{key} has {_q(bad[0])} ({_valid(spec.choices)})" if bad else None
+    if kind == "table":
+        return None if isinstance(value, dict) else f"{key} must be a table, got {_q(value)}"
+    raise AssertionError(kind)
+
+
+def _plain(value: Any) -> bool:
+    """True for what JSON can hold: engine.extra must go into the config digest."""
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    if isinstance(value, float):
+        return not math.isnan(value)
+    return isinstance(value, (str, int, bool))
+
+
+# Every character str.splitlines() breaks on, escaped: user text inside an
+# error (a path, a key) must not break the one-line contract.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+class _Errors:
+    """Formats one-line errors with the file and the case they are about."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, where: str | None, message: str) -> ConfigError:
+        head = display_path(self.path) + (f": {where}" if where else "")
+        return ConfigError(f"{head}: {message}".translate(_LINE_BREAKS))
+
+
+def display_path(path: Path) -> str:
+    """`path` relative to the working directory when it is below it, else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (OSError, ValueError):
+        return str(path)
+
+
+def _check_table(raw: Any, key: str, spec: dict[str, _Spec], err, where) -> None:
+    if not isinstance(raw, dict):
+        raise err(where, f"{key} must be a table, got {_q(raw)}")
+    for k, v in raw.items():
+        if k not in spec:
+            raise err(where, f"unknown key {_q(f'{key}.{k}')} ({_valid(spec)})")
+        if v == RESET and key in ("sampling", "engine"):
+            continue
+        reason = _check_value(f"{key}.{k}", v, spec[k])
+        if reason:
+            raise err(where, reason)
+    if key == "engine":
+        extra = raw.get("extra", {})
+        if isinstance(extra, dict):
+            for k, v in extra.items():
+                if k in spec:
+                    raise err(where, f"engine.extra.{k} duplicates engine.{k}; set it there")
+                if not _plain(v):
+                    raise err(where, f"engine.extra.{_q(k)} must be a string, number, boolean, list or table, "
+                                     f"got {_q(v)}")
+
+
+def _check_layer(raw: Any, allowed: tuple[str, ...], err, where: str) -> None:
+    """Validate one table as written (defaults or one case), before any merging."""
+    if not isinstance(raw, dict):
+        raise err(where, f"must be a table, got {_q(raw)}")
+    for key, value in raw.items():
+        if key not in allowed:
+            raise err(where, f"unknown key {_q(key)} ({_valid(allowed)})")
+        if key in ("sampling", "engine", "expect"):
+            _check_table(value, key, {"sampling": SAMPLING_SPEC, "engine": ENGINE_SPEC, "expect": EXPECT_SPEC}[key], err, where)
+        elif key in ("model", "prompts", "inherits"):
+            if not isinstance(value, str) or not value:
+                raise err(where, f"{key} must be a non-empty string, got {_q(value)}")
+        elif key == "description":
+            if not isinstance(value, str):
+                raise err(where, f"description must be a string, got {_q(value)}")
+        elif key == "role":
+            if value not in ROLES:
+                raise err(where, f"role must be one of {', '.join(ROLES)}; got {_q(value)}")
+        elif key in ("references", "tags"):
+            reason = _check_value(key, value, _Spec("strlist"))
+            if reason:
+                raise err(where, reason)
+        elif key == "env":
+            if not isinstance(value, dict):
+                raise err(where, f"env must be a table of strings, got {_q(value)}")
+            for k, v in value.items():
+                if not _ENV_NAME.match(k):
+                    raise err(where, f"env name {_q(k)} must match [A-Za-z_][A-Za-z0-9_]*")
+                if not isinstance(v, str):
+                    raise err(where, f"env.{k} must be a string (quote it), got {_q(v)}")
+        elif key == "tolerances":
+            if not isinstance(value, dict):
+                raise err(where, f"tolerances must be a table of numbers, got {_q(value)}")
+            for k, v in value.items():
+                if not _ENV_NAME.match(k):
+                    raise err(where, f"tolerance name {_q(k)} must match [A-Za-z_][A-Za-z0-9_]*")
+                reason = _check_value(f"tolerances.{k}", v, _Spec("number", finite=False))
+                if reason:
+                    raise err(where, reason)
+
+
+# --- loading ----------------------------------------------------------------
+
+
+def _default_cases_dir() -> Path:
+    return Path(os.environ.get("DIFFCHECK_CASES") or "cases")
+
+
+def cases_dir() -> Path:
+    """Where suites live: $DIFFCHECK_CASES, else ./cases."""
+    return _default_cases_dir()
+
+
+def list_suites(cases_dir: Path | None = None) -> list[str]:
+    """Names of the suites in `cases_dir` (default: `cases_dir()`), sorted."""
+    folder = Path(cases_dir) if cases_dir is not None else _default_cases_dir()
+    return sorted(p.stem for p in folder.glob("*.toml")) if folder.is_dir() else []
+
+
+def _suite_path(name_or_path: str | Path, folder: Path | None) -> Path:
+    text = str(name_or_path)
+    if text.endswith(".toml") or os.sep in text or "/" in text:
+        return Path(text)
+    folder = Path(folder) if folder is not None else _default_cases_dir()
+    path = folder / f"{text}.toml"
+    if not _is_file(path):
+        known = list_suites(folder)
+        raise _Errors(path)(None, f"no such suite {_q(text)} (available: {', '.join(known) or 'none'})")
+    return path
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long or otherwise impossible is just absent
+        return False
+
+
+def _read_toml(path: Path) -> dict:
+    err = _Errors(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise err(None, "file does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise err(None, f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise err(None, f"not UTF-8 text (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise err(None, f"invalid TOML: {exc}") from None
+
+
+def load_suite(name_or_path: str | Path = DEFAULT_SUITE, *, cases_dir: Path | None = None) -> Suite:
+    """A suite by name (``cases/<name>.toml``) or by path; refused whole on any error."""
+    path = _suite_path(name_or_path, cases_dir)
+    return parse_suite(_read_toml(path), path=path)
+
+
+def parse_suite(data: Any, *, path: Path) -> Suite:
+    """Validate and resolve an already-parsed suite table (`path` names it and anchors `prompts`)."""
+    path = Path(path)
+    err = _Errors(path)
+    if not isinstance(data, dict):
+        raise err(None, f"must be a table, got {_q(data)}")
+    unknown = [k for k in data if k not in ("suite", "defaults", "cases")]
+    if unknown:
+        raise err(None, f"unknown top-level key {_q(unknown[0])} (valid: cases, defaults, suite)")
+    head = data.get("suite")
+    if not isinstance(head, dict):
+        raise err(None, "missing [suite] table with name and description")
+    for k, v in head.items():
+        if k not in ("name", "description"):
+            raise err("[suite]", f"unknown key {_q(k)} (valid: description, name)")
+        if not isinstance(v, str):
+            raise err("[suite]", f"{k} must be a string, got {_q(v)}")
+    if head.get("name") != path.stem:
+        got = f", got {_q(head['name'])}" if "name" in head else ""
+        raise err("[suite]", f"name must equal the file stem {_q(path.stem)}{got}")
+    defaults = data.get("defaults", {})
+    _check_layer(defaults, CONFIG_KEYS, err, "[defaults]")
+    raw_cases = data.get("cases")
+    if not isinstance(raw_cases, dict) or not raw_cases:
+        raise err(None, "no cases: add at least one [cases.ID] table")
+    for cid, raw in raw_cases.items():
+        if not isinstance(cid, str) or not _ID.match(cid):
+            raise err(f"case {_q(cid)}", "case ids must match [A-Za-z0-9][A-Za-z0-9_.-]* (they name golden folders)")
+        _check_layer(raw, CASE_KEYS, err, f"case {_q(cid)}")
+    merged = {cid: _resolve_chain(cid, raw_cases, defaults, err) for cid in raw_cases}
+    cases = {cid: _build_case(cid, merged[cid], raw_cases[cid], suite=path.stem, path=path, err=err)
+             for cid in raw_cases}
+    _check_references(cases, err)
+    return Suite(name=path.stem, description=head.get("description", ""), path=path, cases=cases)
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_NOT_INHERITED = ("expect", "description", "inherits")
+
+
+def _resolve_chain(cid: str, raw_cases: dict, defaults: dict, err) -> dict:
+    chain = [cid]
+    while "inherits" in raw_cases[chain[-1]]:
+        parent = raw_cases[chain[-1]]["inherits"]
+        if parent in chain:
+            cycle = chain[chain.index(parent):] + [parent]
+            raise err(f"case {_q(cid)}", f"inheritance cycle {' -> '.join(cycle)}")
+        if parent not in raw_cases:
+            raise err(f"case {_q(chain[-1])}", f"inherits unknown case {_q(parent)} ({_valid(raw_cases)})")
+        chain.append(parent)
+    merged = dict(defaults)
+    for ancestor in reversed(chain[1:]):
+        layer = {k: v for k, v in raw_cases[ancestor].items() if k not in _NOT_INHERITED}
+        merged = _merge(merged, layer)
+    return _merge(merged, raw_cases[cid])
+
+
+def _expand(text: str, key: str, err, where: str) -> str:
+    def sub(match: re.Match) -> str:
+        name, default = match.group(1), match.group(2)
+        value = os.environ.get(name)
+        if value:
+            return value
+        if default is not None:
+            return default
+        raise err(where, f"{key}: environment variable {name} is not set (write ${{{name}:-default}} to give a default)")
+
+    return _VAR.sub(sub, text)
+
+
+def _typed(cls, raw: dict, spec: dict[str, _Spec]):
+    kwargs = {}
+    for key, value in raw.items():
+        if value == RESET:
+            continue  # keep the dataclass default: the engine decides
+        kind = spec[key].kind
+        if kind == "number":
+            value = float(value)  # 1 and 1.0 must give one digest
+        elif kind == "strlist":
+            value = tuple(value)
+        elif kind == "table":
+            value = json.loads(json.dumps(value))  # a private deep copy
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, err) -> Case:
+    where = f"case {_q(cid)}"
+    for key in ("role", "model", "prompts"):
+        if key not in merged:
+            hint = f" ({_valid(ROLES)})" if key == "role" else " (set it in [defaults] or the case)"
+            raise err(where, f"{key} is required{hint}")
+    references = tuple(merged.get("references", ()))
+    if merged["role"] == "candidate" and not references:
+        raise err(where, "a candidate needs references = [\"ID\", ...] naming reference cases")
+    prompts_file = Path(_expand(merged["prompts"], "prompts", err, where))
+    if not prompts_file.is_absolute():
+        prompts_file = path.parent / prompts_file
+    if not _is_file(prompts_file):
+        folder = prompts_file.parent
+        known = sorted(p.name for p in folder.glob("*.toml")) if folder.is_dir() else []
+        raise err(where, f"prompts file {display_path(prompts_file)} does not exist (available: {', '.join(known) or 'none'})")
+    _read_prompts(prompts_file)  # refuse the suite now, not when the engine starts
+    expect = _build_expect(own.get("expect"), err, where)
+    return Case(
+        id=cid,
+        suite=suite,
+        role=merged["role"],
+        description=own.get("description", ""),
+        references=references,
+        model=_expand(merged["model"], "model", err, where),
+        prompts_file=prompts_file,
+        sampling=_typed(Sampling, merged.get("sampling", {}), SAMPLING_SPEC),
+        engine=_typed(EngineConfig, merged.get("engine", {}), ENGINE_SPEC),
+        env=dict(merged.get("env", {})),
+        expect=expect,
+        tolerances={k: float(v) for k, v in merged.get("tolerances", {}).items()},
+        tags=tuple(merged.get("tags", ())),
+        inherits=own.get("inherits"),
+        source=path,
+    )
+
+
+def _build_expect(raw: dict | None, err, where: str) -> Expect | None:
+    if raw is None:
+        return None
+    if "verdict" not in raw and "not_verdict" not in raw:
+        raise err(where, "expect needs verdict = \"...\" or not_verdict = [...] "
+                         f"(valid verdicts: {', '.join(EXPECTABLE)})")
+    if "verdict" in raw and raw["verdict"] in raw.get("not_verdict", ()):
+        raise err(where, f"expect.verdict {raw['verdict']} is also in expect.not_verdict")
+    if "onset" in raw and raw.get("verdict") != "GIBBERISH":
+        raise err(where, "expect.onset needs expect.verdict = \"GIBBERISH\" (only gibberish has an onset)")
+    if "onset_tolerance" in raw and "onset" not in raw:
+        raise err(where, "expect.onset_tolerance needs expect.onset")
+    return Expect(
+        verdict=Verdict[raw["verdict"]] if "verdict" in raw else None,
+        not_verdict=tuple(Verdict[v] for v in raw.get("not_verdict", ())),
+        onset=raw.get("onset"),
+        onset_tolerance=raw.get("onset_tolerance", 0),
+    )
+
+
+def _check_references(cases: dict[str, Case], err) -> None:
+    for case in cases.values():
+        where = f"case {_q(case.id)}"
+        for ref in case.references:
+            if ref == case.id:
+                raise err(where, "a case cannot reference itself")
+            if ref not in cases:
+                raise err(where, f"references unknown case {_q(ref)} ({_valid(cases)})")
+            other = cases[ref]
+            if other.role != "reference":
+                refs = sorted(c.id for c in cases.values() if c.role == "reference")
+                raise err(where, f"references {_q(ref)}, which is a candidate (reference cases: {', '.join(refs)})")
+            if _prompts_digest(other.prompts_file) != _prompts_digest(case.prompts_file):
+                raise err(where, f"prompts {display_path(case.prompts_file)} differ from reference {_q(ref)}'s "
+                                 f"{display_path(other.prompts_file)}; runs are compared prompt by prompt")
+
+
+def get_case(suite: Suite, case_id: str) -> Case:
+    if case_id not in suite.cases:
+        raise _Errors(suite.path)(None, f"no case {_q(case_id)} in suite {_q(suite.name)} ({_valid(suite.cases)})")
+    return suite.cases[case_id]
+
+
+# --- prompts ----------------------------------------------------------------
+
+_PROMPT_KEYS = ("id", "text", "chat", "system")
+
+
+def _read_prompts(path: Path) -> list[Prompt]:
+    """``[[prompt]]`` tables (id, text, chat, system); a top-level ``system`` is every prompt's default."""
+    err = _Errors(path)
+    data = _read_toml(path)
+    extra = [k for k in data if k not in ("prompt", "system")]
+    if extra or not isinstance(data.get("prompt"), list) or not data["prompt"]:
+        what = f"unknown top-level key {_q(extra[0])}" if extra else "no [[prompt]] tables"
+        raise err(None, f"{what} (expected [[prompt]] tables with keys chat, id, system, text, "
+                        "and optionally a top-level system)")
+    shared = data.get("system")
+    if shared is not None and (reason := _check_value("system", shared, _Spec("str"))):
+        raise err(None, reason)
+    prompts, seen = [], set()
+    for i, raw in enumerate(data["prompt"]):
+        where = f"prompt {i + 1}"
+        if not isinstance(raw, dict):
+            raise err(where, f"must be a table, got {_q(raw)}")
+        for k, v in raw.items():
+            if k not in _PROMPT_KEYS:
+                raise err(where, f"unknown key {_q(k)} ({_valid(_PROMPT_KEYS)})")
+            reason = _check_value(k, v, _Spec("bool" if k == "chat" else "str"))
+            if reason:
+                raise err(where, reason)
+        for k in ("id", "text"):
+            if k not in raw:
+                raise err(where, f"missing {k!r}")
+        if raw["id"] in seen:
+            raise err(where, f"duplicate id {_q(raw['id'])}")
+        seen.add(raw["id"])
+        prompts.append(Prompt(id=raw["id"], text=raw["text"], chat=raw.get("chat", True),
+                              system=raw.get("system", shared)))
+    return prompts
+
+
+def load_prompts(case: Case) -> list[Prompt]:
+    return _read_prompts(case.prompts_file)
+
+
+def _prompts_digest(path: Path) -> str:
+    """Of the parsed prompts, so reformatting the TOML does not change a run's identity."""
+    return _digest([asdict(p) for p in _read_prompts(path)])
+
+
+# --- identity ---------------------------------------------------------------
+
+
+def _digest(value: Any) -> str:
+    import blake3
+
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return blake3.blake3(text.encode("utf-8")).hexdigest()
+
+
+def _set_fields(obj) -> dict:
+    # Unset (engine-default) fields are left out, so adding a field to the
+    # language later does not change the digest of every existing case.
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or value == {}:
+            continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def resolved_config(case: Case) -> dict:
+    """Everything that defines the run, canonical and JSON-able (labels and tolerances excluded)."""
+    prompts = _read_prompts(case.prompts_file)
+    return {
+        "model": case.model,
+        "prompts": {"digest": _digest([asdict(p) for p in prompts]), "count": len(prompts)},
+        "sampling": _set_fields(case.sampling),
+        "engine": _set_fields(case.engine),
+        "env": dict(sorted(case.env.items())),
+    }
+
+
+def config_digest(case: Case) -> str:
+    return _digest(resolved_config(case))
+
+
+_ABSENT = object()
+
+
+def _lookup(tree: Any, path: list) -> Any:
+    for key in path:
+        if isinstance(tree, dict) and key in tree:
+            tree = tree[key]
+        else:
+            return _ABSENT
+    return tree
+
+
+def config_delta(case: Case, reference_case: Case) -> dict[str, tuple[Any, Any]]:
+    """{dotted path: (reference value, candidate value)}; None where one side leaves it unset."""
+    from deepdiff import DeepDiff
+
+    reference, candidate = resolved_config(reference_case), resolved_config(case)
+    # threshold_to_diff_deeper=0: always per key, even when two tables share few keys
+    diff = DeepDiff(reference, candidate, view="tree", threshold_to_diff_deeper=0)
+    paths = set()
+    for levels in diff.values():
+        for level in levels:
+            path = level.path(output_format="list")
+            # A changed list is shown whole: per-index entries read badly.
+            cut = next((i for i, p in enumerate(path) if isinstance(p, int)), len(path))
+            paths.add(tuple(path[:cut]))
+    delta = {}
+    for path in sorted(paths, key=lambda p: [str(k) for k in p]):
+        ref, cand = _lookup(reference, list(path)), _lookup(candidate, list(path))
+        delta[".".join(str(k) for k in path)] = (None if ref is _ABSENT else ref, None if cand is _ABSENT else cand)
+    return delta

@@ -1,0 +1,137 @@
+"""`diffcheck cases list|show|check` through click's CliRunner and through `main` (exit codes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from diffcheck.cli import cli, main
+
+CASES = Path(__file__).resolve().parents[1] / "cases"
+SUITE = """
+[suite]
+name = "{name}"
+description = "tiny"
+
+[defaults]
+model = "m"
+prompts = "prompts/p.toml"
+
+[cases.J]
+role = "reference"
+description = "eager reference"
+engine = {{ enforce_eager = true }}
+
+[cases.O]
+inherits = "J"
+role = "candidate"
+references = ["J"]
+description = "compiled"
+engine = {{ enforce_eager = false, {extra} }}
+"""
+
+
+@pytest.fixture(autouse=True)
+def shipped_cases(monkeypatch):
+    monkeypatch.setenv("DIFFCHECK_CASES", str(CASES))
+
+
+def make_suite(folder: Path, name: str, extra: str = "max_num_seqs = 2") -> Path:
+    (folder / "prompts").mkdir(exist_ok=True)
+    (folder / "prompts" / "p.toml").write_text('[[prompt]]\nid = "a"\ntext = "hello"\n')
+    path = folder / f"{name}.toml"
+    path.write_text(SUITE.format(name=name, extra=extra))
+    return path
+
+
+def invoke(*args):
+    """Run like `main` does (standalone_mode=False) so the command's int is the exit code."""
+    return CliRunner().invoke(cli, list(args), standalone_mode=False)
+
+
+@pytest.mark.parametrize("args", [["cases", "--help"], ["cases", "list", "--help"],
+                                  ["cases", "show", "--help"], ["cases", "check", "--help"]])
+def test_help(args):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_list_all_suites():
+    result = invoke("cases", "list")
+    assert result.exception is None and result.return_value == 0, result.output
+    for text in ("default", "flash-v100-quality", "gpu-h200", "stale", "candidate"):
+        assert text in result.output
+
+
+def test_list_one_suite_by_path(tmp_path):
+    path = make_suite(tmp_path, "tiny")
+    result = invoke("cases", "list", "--suite", str(path))
+    assert result.return_value == 0
+    assert "eager reference" in result.output and "compiled" in result.output
+    assert "default" not in result.output
+
+
+def test_show_prints_resolved_config_and_delta():
+    result = invoke("cases", "show", "O", "--suite", "flash-v100-quality")
+    assert result.exception is None and result.return_value == 0, result.output
+    out = result.output
+    assert "[engine]" in out and 'attention_backend = "FLASH_ATTN_V100"' in out
+    assert "difference from J" in out and "difference from F" in out
+    assert "engine.enforce_eager" in out and "engine.cudagraph_mode" in out
+    assert "O <- H <- [defaults]" in out
+
+
+def test_show_defaults_to_the_default_suite():
+    result = invoke("cases", "show", "E")
+    assert result.return_value == 0
+    assert "env.DIFFCHECK_FAULT" in result.output and "stale-decode-metadata" in result.output
+
+
+def test_show_json():
+    result = invoke("cases", "show", "O", "--suite", "flash-v100-quality", "--json")
+    assert result.return_value == 0
+    data = json.loads(result.output)
+    assert data["deltas"]["J"]["engine.enforce_eager"] == [True, False]
+    assert data["resolved"]["engine"]["max_model_len"] == 8192
+    assert data["expect"] == {"not_verdict": ["GIBBERISH"]} and len(data["digest"]) == 64
+
+
+def test_show_unknown_case_is_one_line_exit_2(capsys):
+    assert main(["cases", "show", "NOPE"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffcheck: error: ") and len(err.strip().splitlines()) == 1
+    assert "no case 'NOPE'" in err and "valid: B16" in err
+
+
+def test_check_all_shipped_suites():
+    result = invoke("cases", "check")
+    assert result.return_value == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert any(line.startswith("ok ") and "flash-v100-quality.toml: 19 cases" in line for line in lines)
+    assert len(lines) == 3
+
+
+def test_check_by_path_and_name(tmp_path):
+    result = invoke("cases", "check", str(CASES / "flash-v100-quality.toml"), "gpu-h200")
+    assert result.return_value == 0
+    assert "flash-v100-quality.toml: 19 cases" in result.output and "gpu-h200.toml: 7 cases" in result.output
+
+
+def test_check_reports_each_bad_suite_and_exits_2(tmp_path, capsys):
+    good = make_suite(tmp_path, "good")
+    bad = make_suite(tmp_path, "bad", extra='cuda_graph = "FULL"')
+    assert main(["cases", "check", str(good), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert "ok " in captured.out and "good.toml: 2 cases" in captured.out
+    assert captured.err.count("diffcheck: error: ") == 1
+    assert "case 'O': unknown key 'engine.cuda_graph' (valid: attention_backend" in captured.err
+
+
+def test_check_without_suites_is_an_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DIFFCHECK_CASES", str(tmp_path / "empty"))
+    assert main(["cases", "check"]) == 2
+    assert "no suites" in capsys.readouterr().err
