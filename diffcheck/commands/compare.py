@@ -1,0 +1,113 @@
+"""`diffcheck compare ID`: judge a candidate against each of its reference goldens."""
+
+from __future__ import annotations
+
+import click
+
+from diffcheck.commands.common import goldens_option, suite_option
+
+
+def exit_code(verdict, *, strict: bool, bisect_codes: bool) -> int:
+    from diffcheck.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION
+    from diffcheck.types import Verdict
+
+    if verdict is Verdict.ERROR:
+        return EXIT_BISECT_SKIP if bisect_codes else EXIT_ENGINE
+    if verdict is Verdict.GIBBERISH or (strict and verdict is Verdict.NUMERIC_DRIFT):
+        return EXIT_REGRESSION
+    return EXIT_PASS
+
+
+def report_input(comparison, suite, case_id, meta):
+    """Token strings of both sides for the HTML report (tokenizer when available)."""
+    from diffcheck import cases, runner
+    from diffcheck.report import ReportInput, SequenceTexts
+
+    texts = {}
+    cand = comparison.candidate
+    if cand is not None:
+        tok = runner.load_tokenizer(cases.get_case(suite, case_id))
+        for v in comparison.verdicts:
+            gold = comparison.goldens[v.reference_id]
+            for s in v.sequences:
+                if tok is None:
+                    texts[(v.candidate_id, v.reference_id, s.index)] = SequenceTexts.from_texts(
+                        gold.sequences[s.index].text, cand.sequences[s.index].text)
+                else:
+                    texts[(v.candidate_id, v.reference_id, s.index)] = SequenceTexts(
+                        _decoded(tok, gold, s.index), _decoded(tok, cand, s.index))
+    return ReportInput(verdicts=comparison.verdicts, texts=texts, meta=meta)
+
+
+def _decoded(tok, run, index):
+    return tuple(tok.decode([t]) for t in run.sequence(index).token_id.tolist())
+
+
+@click.command(name="compare")
+@click.argument("case_id")
+@suite_option
+@goldens_option
+@click.option("--run", "run_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Judge a recorded run instead of running the engine (offline; forced/scored files beside it are used).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write a JSON report.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="Write a JUnit XML report.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write a self-contained HTML report.")
+@click.option("--strict", is_flag=True, help="NUMERIC_DRIFT fails (exit 1) too.")
+@click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
+@click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
+@click.pass_context
+def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes):
+    """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
+
+    Exit 0 when every sequence is IDENTICAL or BENIGN_DRIFT (NUMERIC_DRIFT too unless
+    --strict), 1 on GIBBERISH, 3 on engine failure (125 with --bisect-codes).
+    """
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from diffcheck import cases, ledger, runner, store
+    from diffcheck.errors import DiffcheckError
+    from diffcheck.report import render_divergence, render_table, write_html, write_json, write_junit
+
+    try:
+        s = cases.load_suite(suite)
+        root = runner.goldens_root(goldens)
+        console = Console(stderr=True)
+        with console.status(f"comparing {case_id}") as status:
+            def echo(msg):
+                status.update(msg)
+                console.log(msg)
+
+            comparison = runner.compare(s, case_id, root=root, run_file=Path(run_file) if run_file else None,
+                                        verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
+    except DiffcheckError as exc:
+        if bisect_codes and exc.exit_code == 3:
+            exc.exit_code = 125
+        raise
+    for line in comparison.reused:
+        click.echo(line)
+    out = render_table(comparison.verdicts)
+    for v in comparison.verdicts:
+        if v.verdict.name not in ("IDENTICAL",) and v.sequences:
+            render_divergence(v, console=out)
+    if comparison.candidate is not None:
+        digest = store.content_digest(comparison.candidate)
+        same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
+        if same:
+            click.echo(f"same output as {', '.join(sorted(same))} (content {digest[:12]})")
+    meta = {"suite": s.name, "candidate": case_id, "references": [v.reference_id for v in comparison.verdicts],
+            "command": "diffcheck compare " + case_id + (f" --run {run_file}" if run_file else "")}
+    if comparison.candidate is not None:
+        meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
+        meta["hardware"] = comparison.candidate.meta.hardware
+    if json_path:
+        write_json(json_path, comparison.verdicts, meta)
+    if junit_path:
+        write_junit(junit_path, comparison.verdicts, strict=strict)
+    if html_path:
+        write_html(html_path, report_input(comparison, s, case_id, meta))
+    for p in (json_path, junit_path, html_path):
+        if p:
+            click.echo(f"wrote {p}")
+    return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes)

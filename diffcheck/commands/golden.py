@@ -1,0 +1,122 @@
+"""`diffcheck golden record | verify | show`: the golden life cycle."""
+
+from __future__ import annotations
+
+import click
+
+from diffcheck.commands.common import goldens_option, suite_option
+
+
+@click.group(name="golden")
+def golden():
+    """Record, verify and show reference goldens."""
+
+
+@golden.command(name="record")
+@click.argument("case_ids", nargs=-1)
+@suite_option
+@goldens_option
+@click.option("--update", is_flag=True, help="Overwrite a golden whose content would change (prints what changed).")
+@click.option("--force", is_flag=True, help="Re-record even when the golden is up to date (same config, engine, model).")
+@click.option("--check-determinism", is_flag=True, help="Generate twice and refuse a reference that is not reproducible.")
+@click.pass_context
+def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
+    """Record goldens for CASE_IDS (default: every reference case of the suite)."""
+    import time
+
+    from rich.console import Console
+
+    from diffcheck import cases, runner
+
+    s = cases.load_suite(suite)
+    ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
+    todo = [cases.get_case(s, i) for i in ids]
+    root = runner.goldens_root(goldens)
+    console = Console(stderr=True)
+    rows = []
+    for n, case in enumerate(todo, 1):
+        t0 = time.perf_counter()
+        with console.status(f"[{n}/{len(todo)}] {case.id}") as status:
+            def echo(msg, _n=n):
+                status.update(f"[{_n}/{len(todo)}] {msg}")
+                console.log(msg)
+
+            res = runner.record_golden(case, root=root, update=update, force=force,
+                                       check_determinism=check_determinism,
+                                       verbose=ctx.obj.get("verbose", False), echo=echo)
+        rows.append(res)
+        extra = f" ({res.message})" if res.message else ""
+        click.echo(f"{res.status:10s} {case.id:6s} {res.digest[:16]}  {res.path}  {time.perf_counter() - t0:.1f}s{extra}")
+    return 0
+
+
+@golden.command(name="verify")
+@suite_option
+@goldens_option
+def verify(suite, goldens):
+    """Check every golden's blake3 digest and schema."""
+    from pathlib import Path
+
+    from diffcheck import runner, store
+    from diffcheck.errors import DataError
+
+    from diffcheck import cases
+
+    root = runner.goldens_root(goldens)
+    folder = Path(root) / cases.load_suite(suite).name
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no goldens for suite '{suite}'; record them with `make golden`")
+    results = store.verify_folder(folder)
+    bad = [r for r in results if not r.ok]
+    for r in results:
+        click.echo(f"{'ok ' if r.ok else 'BAD'} {r.path}" + ("" if r.ok else f": {r.message}"))
+    if not results:
+        raise DataError(f"{folder}: no goldens found; record them with `make golden`")
+    if bad:
+        raise DataError(f"{len(bad)} of {len(results)} files failed verification (first: {bad[0].message})")
+    click.echo(f"{len(results)} files verified")
+    return 0
+
+
+@golden.command(name="show")
+@click.argument("case_id")
+@suite_option
+@goldens_option
+@click.option("--kind", type=click.Choice(["generate", "run"]), default="generate",
+              help="generate: the golden; run: the candidate run recorded beside it.")
+def show(case_id, suite, goldens, kind):
+    """Summarise a golden: sequences, tokens, the seed's quality metrics, config, hardware."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from diffcheck import cases, quality, runner, store
+
+    root = runner.goldens_root(goldens)
+    path = store.run_path(root, cases.load_suite(suite).name, case_id, kind="generate", role="candidate" if kind == "run" else "reference")
+    run = store.read_run(path)
+    entry = store.manifest_entry(path) or {}
+    console = Console()
+    m = run.meta
+    console.print(f"[bold]{path}[/]  content {entry.get('content_blake3', '?')[:16]}  "
+                  f"{entry.get('bytes', 0) / max(run.n_tokens, 1):.1f} bytes/token")
+    console.print(f"case {m.case_id} ({m.role}, {m.kind}) suite {m.suite}; created {m.created}; diffcheck {m.diffcheck_version}")
+    console.print(f"engine {m.engine.get('name')} {m.engine.get('version')}"
+                  + (f" commit {m.engine.get('commit', '')[:12]}{' (dirty)' if m.engine.get('dirty') else ''}"
+                     if m.engine.get("commit") else ""))
+    console.print(f"model {m.model.get('id')} digest {str(m.model.get('digest'))[:16]}")
+    table = Table("seq", "prompt", "tokens", "finish", "digit_ratio", "weird_runs", "rep_num_runs", "max_digit_run",
+                  "hash", title=f"{len(run.sequences)} sequences, {run.n_tokens} tokens")
+    for s in run.sequences:
+        q = quality.text_metrics(s.text, s.n_tokens)
+        table.add_row(str(run.sequences.index(s)), s.prompt_id, str(s.n_tokens), s.finish_reason,
+                      f"{q['digit_ratio']:.4f}", str(q["weird_runs"]), str(q["repeated_num_runs"]),
+                      str(q["max_digit_run"]), q["output_hash"][:12])
+    console.print(table)
+    console.print("effective engine config: " + json.dumps(m.engine.get("effective", {}), sort_keys=True))
+    console.print("sampling: " + json.dumps(m.sampling, sort_keys=True))
+    console.print("hardware: " + json.dumps(m.hardware, sort_keys=True))
+    if m.timings:
+        console.print("timings: " + json.dumps({k: round(v, 3) for k, v in m.timings.items()}, sort_keys=True))
+    return 0

