@@ -9,6 +9,7 @@ is written. Engines are imported lazily, so the pure side never pays for them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -88,15 +89,21 @@ def _engine_version() -> str | None:
 
 
 def record_golden(case, *, root: Path, update: bool = False, force: bool = False,
-                  check_determinism: bool = False, verbose: bool = False, echo: Echo = print) -> GoldenResult:
+                  check_determinism: bool = False, verbose: bool = False, echo: Echo = print,
+                  pool: EnginePool | None = None) -> GoldenResult:
+    """Record `case`'s golden unless an identical one exists; refuse to change one without `update`."""
     path = store.run_path(root, case.suite, case.id)
     if not force and not check_determinism:
         digest = golden_up_to_date(path, case)
         if digest:
             return GoldenResult(case.id, path, "up to date", digest,
                                 "same config, engine version and model as recorded; --force re-records")
-    echo(f"{case.id}: starting engine ({case.description or case.role})")
-    with open_engine(case, verbose=verbose) as engine:
+    with contextlib.ExitStack() as stack:
+        if pool is not None:
+            engine = pool.get(case, echo)
+        else:
+            echo(f"{case.id}: starting engine ({case.description or case.role})")
+            engine = stack.enter_context(open_engine(case, verbose=verbose))
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
         run = _with_config(engine.generate(), case)
         echo(f"{case.id}: {run.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
@@ -217,27 +224,57 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     return cand, forced, []
 
 
-def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print) -> Run:
-    """The reference engine's logprobs of the candidate's tokens (prefill scoring)."""
+class EnginePool:
+    """Reference engines kept open across comparisons (selftest, tests): one start per reference."""
+
+    def __init__(self, *, verbose: bool = False):
+        self.verbose = verbose
+        self.engines: dict[str, Any] = {}
+
+    def get(self, case, echo: Echo = print):
+        if case.id not in self.engines:
+            echo(f"starting reference engine {case.id} (kept open for scoring)")
+            self.engines[case.id] = open_engine(case, verbose=self.verbose)
+        return self.engines[case.id]
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print,
+                    pool: EnginePool | None = None) -> Run:
+    """The reference engine's logprobs of the candidate's tokens (prefill scoring), cached by content."""
     path = store.run_path(root, candidate.meta.suite, candidate.meta.case_id, kind="scored", reference=ref_case.id)
+    digest = store.content_digest(candidate)
     if path.exists():
         try:
             scored = store.read_run(path)
-            if scored.meta.source.get("scored_digest") == store.content_digest(candidate):
+            if scored.meta.source.get("scored_digest") == digest:
                 return scored
         except DataError:
             pass
-    echo(f"{candidate.meta.case_id}: starting reference engine {ref_case.id} to score the candidate's text")
-    with open_engine(ref_case, verbose=verbose) as engine:
-        scored = engine.score(candidate)
+    if pool is not None:
+        scored = pool.get(ref_case, echo).score(candidate)
+    else:
+        echo(f"{candidate.meta.case_id}: starting reference engine {ref_case.id} to score the candidate's text")
+        with open_engine(ref_case, verbose=verbose) as engine:
+            scored = engine.score(candidate)
     scored = dataclasses.replace(scored, meta=dataclasses.replace(
-        scored.meta, source={**scored.meta.source, "scored_digest": store.content_digest(candidate)}))
+        scored.meta, source={**scored.meta.source, "scored_digest": digest}))
     store.write_run(path, scored)
     return scored
 
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
-            force: bool = False, echo: Echo = print) -> Comparison:
+            force: bool = False, echo: Echo = print, pool: EnginePool | None = None) -> Comparison:
     from diffcheck import classify
 
     case = casesmod.get_case(suite, case_id)
@@ -271,7 +308,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             if _differs(goldens[r], candidate):
                 try:
                     scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
-                                                verbose=verbose, echo=echo)
+                                                verbose=verbose, echo=echo, pool=pool)
                 except EngineError as exc:
                     echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
     verdicts = []

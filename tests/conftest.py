@@ -93,3 +93,13 @@ def engine(smoke_suite):
 @pytest.fixture(scope="session")
 def reference_run(engine):
     return engine.generate()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(engine):
+    """A pool that already holds the shared engine as reference J (never closed by tests)."""
+    from diffcheck import runner
+
+    pool = runner.EnginePool()
+    pool.engines["J"] = engine
+    return pool

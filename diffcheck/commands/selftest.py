@@ -40,17 +40,17 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     refs = sorted({r for c in chosen for r in c.references})
     outcomes = []
     t0 = time.perf_counter()
-    with console.status("selftest") as status:
+    with console.status("selftest") as status, runner.EnginePool(verbose=verbose) as pool:
         def echo(msg):
             status.update(msg)
             console.log(msg)
 
         for ref in refs:
             if not store.run_path(root, s.name, ref).exists():
-                runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo)
+                runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, pool=pool)
         for n, case in enumerate(chosen, 1):
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
-            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo)
+            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo, pool=pool)
             for v in comparison.verdicts:
                 outcomes.append(st.outcome(case, v, strict=strict))
     table = Table("case", "vs", "expected", "verdict", "onset", "onset err", "diffcheck", "exact match",

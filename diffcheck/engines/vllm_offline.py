@@ -229,10 +229,11 @@ class VllmOffline(Engine):
     def _start(self) -> None:
         t0 = time.perf_counter()
         try:
-            import vllm
+            with _captured_output(self.log_path):  # import-time warnings belong in the engine log
+                import vllm
+                from vllm import LLM
         except Exception as exc:  # a broken install is an engine failure too
             raise EngineError(f"cannot import vllm: {root_cause(exc)}") from None
-        from vllm import LLM
 
         on_cpu = _is_cpu()
         kw, env = llm_kwargs(self.requested, str(self.model.path), on_cpu=on_cpu)

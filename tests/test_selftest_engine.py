@@ -1,0 +1,31 @@
+"""A short selftest with the real engine: the smoke suite's fault is caught, its benign variant passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffcheck import runner, selftest, store
+from diffcheck.types import Verdict
+
+pytestmark = pytest.mark.engine
+
+
+def test_short_selftest(tmp_path, smoke_suite, engine_pool):
+    runner.record_golden(smoke_suite.cases["J"], root=tmp_path, pool=engine_pool, echo=lambda m: None)
+    outcomes = []
+    for case in selftest.labelled_cases(smoke_suite):
+        comparison = runner.compare(smoke_suite, case.id, root=tmp_path, pool=engine_pool, echo=lambda m: None)
+        outcomes += [selftest.outcome(case, v) for v in comparison.verdicts]
+    by_case = {o.case_id: o for o in outcomes}
+    assert set(by_case) == {"S1", "E"}
+    fault = by_case["E"]
+    assert fault.verdict is Verdict.GIBBERISH, fault
+    assert fault.onset_error is not None and fault.onset_error <= 8, fault
+    assert by_case["S1"].verdict is not Verdict.GIBBERISH, by_case["S1"]
+    assert all(o.passed for o in outcomes), outcomes
+    table = selftest.confusion(outcomes)
+    assert table["diffcheck"] == {"tp": 1, "fn": 0, "fp": 0, "tn": 1}
+    # the recorded runs can be re-judged offline, without an engine
+    run_file = store.run_path(tmp_path, "smoke", "E", role="candidate")
+    offline = runner.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)
+    assert offline.verdict is Verdict.GIBBERISH
