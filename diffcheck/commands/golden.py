@@ -69,7 +69,7 @@ def verify(suite, goldens):
     results = store.verify_folder(folder)
     bad = [r for r in results if not r.ok]
     for r in results:
-        click.echo(f"{'ok ' if r.ok else 'BAD'} {r.path}" + ("" if r.ok else f": {r.message}"))
+        click.echo(f"ok  {r.path}" if r.ok else f"BAD {r.message}")
     if not results:
         raise DataError(f"{folder}: no goldens found; record them with `make golden`")
     if bad:

@@ -133,7 +133,13 @@ def root_cause(exc: BaseException, log_text: str = "") -> str:
         return candidates[-1]
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
-    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic: the first line only names the config class
+        with contextlib.suppress(Exception):
+            msg = errors()[0]["msg"].removeprefix("Value error, ")
+            return f"{type(exc).__name__}: {msg.splitlines()[0]}"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def llm_kwargs(engine_cfg: dict[str, Any], model_path: str, *, on_cpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
