@@ -74,7 +74,12 @@ def golden_up_to_date(path: Path, case) -> str | None:
         and meta.model.get("digest") == model.digest
         and meta.engine.get("version") == _engine_version()
     )
-    return store.manifest_entry(path)["content_blake3"] if same else None
+    return _stored_digest(path) if same else None
+
+
+def _stored_digest(path: Path) -> str:
+    entry = store.manifest_entry(path)
+    return entry["content_blake3"] if entry else store.content_digest(store.read_run(path))
 
 
 def _engine_version() -> str | None:
@@ -117,7 +122,7 @@ def record_golden(case, *, root: Path, update: bool = False, force: bool = False
     new_digest = store.content_digest(run)
     if path.exists():
         old_meta = store.read_meta(path)
-        old_digest = store.manifest_entry(path)["content_blake3"]
+        old_digest = _stored_digest(path)
         if old_digest == new_digest:
             return GoldenResult(case.id, path, "unchanged", new_digest, "re-recorded: identical content digest")
         changed = _meta_delta(old_meta, run.meta)
