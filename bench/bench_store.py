@@ -7,10 +7,22 @@ blocks of 256); 40 % of candidates come from a per-stretch set of 400 topic
 tokens; 12 % of each step's top-k reappears at the next step (fitted to a real
 SmolLM2 golden: ~2 ids per 20 shared with the previous step, ~10 bits/id);
 logprobs are sorted descending, with confident and uncertain steps; the
-sampled token is mostly rank 0; text is ~4.2 characters per token. When real
-goldens exist under goldens/default/*.parquet, their bytes/token is reported too.
+sampled token is mostly rank 0; text is ~4.2 characters per token.
 
-bytes/token = file bytes / n_tokens (the whole file: columns, metadata, footer).
+Every real run file under goldens/*/*.parquet is re-encoded with this diffcheck's
+writer into a temp folder (the files themselves are not touched) and measured
+the same way. Files of schema 1 (float16 logprobs, which store.py refuses) are
+loaded here with plain pyarrow so that they can be measured too.
+
+bytes/token = file bytes / n_tokens, split into step data (seq .. topk_logprob_gaps),
+per-sequence data (prompt ids, text, ...) and the rest (footer, run meta JSON).
+
+Precision: for each real golden, also the size at 5 and 7 mantissa bits and the
+top-k KL that classify.py computes between the golden and a copy with Gaussian
+noise on its logprobs (1e-3 and 1e-2 nats), unquantized against stored at each
+precision and on an absolute 1/64-nat grid. Schema-1 values are already rounded
+to 7 bits; they are spread uniformly within their rounding cell first so that
+the coarser codes see realistic values.
 
     python bench/bench_store.py [--tokens N] [--sequences S] [--k K] [--goldens GLOB]
 """
@@ -29,8 +41,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffcheck import store  # noqa: E402
+from diffcheck import store, store_format  # noqa: E402
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 WORDS = ("the of and to in a is that for it as with was on be by this are or from at which an have not "
@@ -109,60 +123,132 @@ def synthetic_run(n_tokens: int = 16384, *, sequences: int = 8, k: int = 20, see
         token_id=token, logprob=logprob, topk_ids=topk_ids, topk_logprobs=topk_lp))
 
 
-def column_bytes(path: Path) -> dict[str, int]:
+def split_bytes(path: Path, n_tokens: int) -> dict[str, float]:
+    """bytes/token of the file: total, step data, per-sequence data, the rest; and per column."""
     import pyarrow.parquet as pq
 
     md = pq.ParquetFile(path).metadata
-    out: dict[str, int] = {}
+    cols: dict[str, int] = {}
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         for c in range(rg.num_columns):
             name = rg.column(c).path_in_schema.split(".")[0]
-            out[name] = out.get(name, 0) + rg.column(c).total_compressed_size
-    out["footer+metadata"] = md.serialized_size
-    out["sequences json"] = len((md.metadata or {}).get(b"diffcheck.sequences", b""))
-    return out
+            cols[name] = cols.get(name, 0) + rg.column(c).total_compressed_size
+    size = path.stat().st_size
+    step = sum(v for k, v in cols.items() if k in store_format.STEP_COLUMNS)
+    seqs = sum(v for k, v in cols.items() if k in store_format.SEQUENCE_COLUMNS)
+    return {"total": size / n_tokens, "step_data": step / n_tokens, "sequence_data": seqs / n_tokens,
+            "footer_and_meta": (size - step - seqs) / n_tokens,
+            "columns": {k: round(v / n_tokens, 2) for k, v in cols.items()}}
 
 
 def measure(run: Run, folder: Path) -> dict:
-    path = store.run_path(folder, run.meta.suite, run.meta.case_id)
+    path = store.run_path(folder, run.meta.suite, run.meta.case_id, kind=run.meta.kind, role=run.meta.role,
+                          reference=(run.meta.source or {}).get("reference_case") or "ref")
     t0 = time.perf_counter()
     store.write_run(path, run)
     t1 = time.perf_counter()
     again = store.read_run(path)
     t2 = time.perf_counter()
-    size = path.stat().st_size
     n = run.n_tokens
-    parts = column_bytes(path)
-    return {
-        "tokens": n, "k": run.steps.k, "bytes": size, "bytes_per_token": size / n,
-        "bytes_per_token_without_text": (size - sum(len(s.text.encode()) for s in run.sequences)) / n,
-        "per_column_bytes_per_token": {name: round(b / n, 2) for name, b in parts.items()},
-        "write_tokens_per_s": n / (t1 - t0), "read_tokens_per_s": n / (t2 - t1),
-        "digest_roundtrip": store.content_digest(again) == store.content_digest(run),
-    }
+    return {"tokens": n, "k": run.steps.k, **split_bytes(path, n),
+            "write_tokens_per_s": n / (t1 - t0), "read_tokens_per_s": n / (t2 - t1),
+            "digest_roundtrip": store.content_digest(again) == store.content_digest(run)}
 
 
-def real_goldens(pattern: str = "goldens/default/*.parquet") -> dict:
+def load_schema1(path: str) -> Run:
+    """A schema-1 file (float16 logprobs, sequences as JSON metadata), read with plain pyarrow."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    kv = t.schema.metadata
+    meta = RunMeta(**json.loads(kv[b"diffcheck.meta"]))
+    k = json.loads(kv[b"diffcheck.layout"])["k"]
+    seqs = tuple(SequenceInfo(prompt_id=r["prompt_id"], prompt_token_ids=tuple(r["prompt_token_ids"]), text=r["text"],
+                              finish_reason=r["finish_reason"], n_tokens=r["n_tokens"])
+                 for r in json.loads(kv[b"diffcheck.sequences"]))
+
+    def flat(name, dtype, width=None):
+        arr = t[name].combine_chunks()
+        if width is not None:
+            arr = arr.flatten()
+        out = np.asarray(arr.to_numpy(zero_copy_only=False)).astype(dtype)
+        return out.reshape(t.num_rows, width) if width is not None else out
+
+    return Run(meta=meta, sequences=seqs, steps=Steps(
+        seq=flat("seq", np.int32), step=flat("step", np.int32), token_id=flat("token_id", np.int32),
+        logprob=flat("logprob", np.float32), topk_ids=flat("topk_ids", np.int32, k),
+        topk_logprobs=flat("topk_logprobs", np.float32, k)))
+
+
+def spread_schema1(x: np.ndarray, rng) -> np.ndarray:
+    """Schema-1 values spread uniformly within their 7-bit rounding cell (order kept per row)."""
+    x = x.astype(np.float64)
+    ok = np.isfinite(x) & (x != 0)
+    cell = 2.0 ** (np.floor(np.log2(np.abs(np.where(ok, x, 1.0)))) - 7)
+    y = np.where(ok, x + rng.uniform(-0.5, 0.5, x.shape) * cell, x).astype(np.float32)
+    return -np.sort(-y, axis=1) if y.ndim == 2 else y
+
+
+def with_mantissa_bits(bits: int, fn):
+    saved = store_format.LOGPROB_MANTISSA_BITS
+    store_format.LOGPROB_MANTISSA_BITS = bits
+    try:
+        return fn()
+    finally:
+        store_format.LOGPROB_MANTISSA_BITS = saved
+
+
+def kl_fidelity(run: Run, *, seed: int = 1) -> dict:
+    """Mean top-k KL (classify.py's) between the run and a noisy copy: unquantized, at each precision."""
+    from diffcheck import stats
+
+    rng = np.random.default_rng(seed)
+    ids, lr = run.steps.topk_ids, run.steps.topk_logprobs
     out = {}
-    for p in sorted(glob.glob(pattern)):
-        if ".run." in p or ".forced-" in p or ".scored-" in p:
-            continue
-        try:
-            run = store.read_run(p)
-        except Exception as exc:  # report and go on: the bench is about size, not integrity
-            out[p] = {"error": str(exc)}
-            continue
-        if run.n_tokens:
-            out[p] = {"tokens": run.n_tokens, "k": run.steps.k, "bytes_per_token": os.path.getsize(p) / run.n_tokens,
-                      "per_column_bytes_per_token": {n: round(b / run.n_tokens, 2)
-                                                     for n, b in column_bytes(Path(p)).items()}}
-            # The same run written with this diffcheck's encodings (the file may predate them).
-            with tempfile.TemporaryDirectory() as tmp:
-                again = measure(run, Path(tmp))
-            out[p]["reencoded_bytes_per_token"] = again["bytes_per_token"]
-            out[p]["reencoded_per_column_bytes_per_token"] = again["per_column_bytes_per_token"]
+    for sigma in (1e-3, 1e-2):
+        lc = (lr + rng.normal(0, sigma, lr.shape)).astype(np.float32)
+        row = {"unquantized": float(stats.topk_kl(ids, lr, ids, lc).mean())}
+        for bits in (5, 6, 7):
+            q = lambda x: with_mantissa_bits(bits, lambda: store_format.quantize_logprobs(x))  # noqa: E731
+            row[f"{bits} bits"] = float(stats.topk_kl(ids, q(lr), ids, q(lc)).mean())
+        grid = lambda x: (np.rint(x.astype(np.float64) * 64) / 64).astype(np.float32)  # noqa: E731
+        row["1/64 grid"] = float(stats.topk_kl(ids, grid(lr), ids, grid(lc)).mean())
+        out[sigma] = row
     return out
+
+
+def real_goldens(pattern: str = "goldens/*/*.parquet") -> dict:
+    out = {}
+    rng = np.random.default_rng(0)
+    for p in sorted(glob.glob(pattern)):
+        try:
+            run, schema = store.read_run(p, verify=False), store.SCHEMA_VERSION
+        except Exception as exc:  # noqa: BLE001 - measure what can be measured, report the rest
+            if "older diffcheck" not in str(exc):
+                out[p] = {"skipped": str(exc)}
+                continue
+            run, schema = load_schema1(p), 1
+        if not run.n_tokens:
+            continue
+        if schema == 1:
+            run = dataclasses.replace(run, steps=dataclasses.replace(
+                run.steps, topk_logprobs=spread_schema1(run.steps.topk_logprobs, rng),
+                logprob=spread_schema1(run.steps.logprob, rng)))
+        r = {"schema": schema, "stored_bytes_per_token": os.path.getsize(p) / run.n_tokens}
+        with tempfile.TemporaryDirectory() as tmp:
+            r["now"] = measure(run, Path(tmp))
+            for bits in (5, 7):
+                r[f"{bits}_bits"] = with_mantissa_bits(bits, lambda: measure(run, Path(tmp) / f"m{bits}"))["total"]
+        if run.meta.kind == "generate" and run.meta.role == "reference":
+            r["kl"] = kl_fidelity(run)
+        out[p] = r
+    return out
+
+
+def _line(r: dict) -> str:
+    return (f"{r['total']:.1f} bytes/token = step data {r['step_data']:.1f} + per-sequence {r['sequence_data']:.1f} "
+            f"+ footer/meta {r['footer_and_meta']:.1f}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -170,39 +256,35 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--goldens", default="goldens/default/*.parquet", help="glob of real goldens to report")
+    ap.add_argument("--goldens", default="goldens/*/*.parquet", help="glob of real run files to re-encode")
     args = ap.parse_args(argv)
     run = synthetic_run(args.tokens, sequences=args.sequences, k=args.k)
-    results: dict = {"goal_bytes_per_token": 48, "logprob_mantissa_bits": store.LOGPROB_MANTISSA_BITS}
+    bits = store_format.LOGPROB_MANTISSA_BITS
+    results: dict = {"goal_bytes_per_token": 48, "logprob_mantissa_bits": bits}
     with tempfile.TemporaryDirectory() as tmp:
-        results["synthetic"] = measure(run, Path(tmp))
-        # What full float16 (10 mantissa bits) would cost, for the record.
-        saved = store.LOGPROB_MANTISSA_BITS
-        try:
-            store.LOGPROB_MANTISSA_BITS = 10
-            path = Path(tmp) / "full-f16.parquet"
-            store.write_run(path, run)
-            results["synthetic_full_float16_bytes_per_token"] = path.stat().st_size / run.n_tokens
-        finally:
-            store.LOGPROB_MANTISSA_BITS = saved
+        results["synthetic"] = syn = measure(run, Path(tmp))
+        for b in (5, 7):
+            results[f"synthetic_{b}_bits"] = with_mantissa_bits(b, lambda: measure(run, Path(tmp) / f"m{b}"))["total"]
     results["real_goldens"] = real_goldens(args.goldens)
-    syn = results["synthetic"]
-    print(f"synthetic run: {syn['tokens']} tokens, K={syn['k']}: {syn['bytes_per_token']:.1f} bytes/token "
-          f"({syn['bytes_per_token_without_text']:.1f} without the text) — goal <= 48")
-    print("  per column (bytes/token): " + ", ".join(f"{k} {v}" for k, v in syn["per_column_bytes_per_token"].items()))
+    print(f"goal <= 48 bytes/token at K=20; logprobs coded with {bits} mantissa bits")
+    print(f"synthetic run: {syn['tokens']} tokens, K={syn['k']}: {_line(syn)}; "
+          f"{results['synthetic_5_bits']:.1f} at 5 bits, {results['synthetic_7_bits']:.1f} at 7")
+    print("  per column: " + ", ".join(f"{k} {v}" for k, v in syn["columns"].items()))
     print(f"  write {syn['write_tokens_per_s'] / 1e3:.0f}k tokens/s, read {syn['read_tokens_per_s'] / 1e3:.0f}k tokens/s, "
           f"digest round trip {'ok' if syn['digest_roundtrip'] else 'BROKEN'}")
-    print(f"  full float16 logprobs instead of {store.LOGPROB_MANTISSA_BITS} mantissa bits: "
-          f"{results['synthetic_full_float16_bytes_per_token']:.1f} bytes/token")
     if not results["real_goldens"]:
-        print(f"real goldens: none match {args.goldens} (record them with `make golden`)")
+        print(f"real goldens: none match {args.goldens}")
     for p, r in results["real_goldens"].items():
-        if "error" in r:
-            print(f"real golden {p}: unreadable: {r['error']}")
-        else:
-            print(f"real golden {p}: {r['tokens']} tokens, K={r['k']}: {r['bytes_per_token']:.1f} bytes/token as stored, "
-                  f"{r['reencoded_bytes_per_token']:.1f} re-encoded now; "
-                  + ", ".join(f"{k} {v}" for k, v in r["reencoded_per_column_bytes_per_token"].items()))
+        if "skipped" in r:
+            print(f"{p}: skipped ({r['skipped'][:100]})")
+            continue
+        now = r["now"]
+        print(f"{p} (schema {r['schema']}, {r['stored_bytes_per_token']:.1f} bytes/token as stored), {now['tokens']} "
+              f"tokens re-encoded: {_line(now)}; {r['5_bits']:.1f} at 5 bits, {r['7_bits']:.1f} at 7")
+        print("  per column: " + ", ".join(f"{k} {v}" for k, v in now["columns"].items()))
+        for sigma, row in r.get("kl", {}).items():
+            print(f"  mean top-k KL vs a copy with {sigma:g}-nat noise: "
+                  + ", ".join(f"{k} {v:.2e}" for k, v in row.items()))
     return results
 
 

@@ -65,7 +65,10 @@ def golden_up_to_date(path: Path, case) -> str | None:
     """The stored golden's digest if it was recorded from this exact config and model, else None."""
     if not path.exists():
         return None
-    meta = store.read_meta(path)
+    try:
+        meta = store.read_meta(path)
+    except DataError:
+        return None  # unreadable (older schema, damaged): record_golden decides what to do
     from diffcheck import models
 
     model = models.resolve(case.model)
@@ -121,8 +124,15 @@ def record_golden(case, *, root: Path, update: bool = False, force: bool = False
                                 f"(content {a[:12]} vs {b[:12]}); a reference must be deterministic")
     new_digest = store.content_digest(run)
     if path.exists():
-        old_meta = store.read_meta(path)
-        old_digest = _stored_digest(path)
+        try:
+            old_meta = store.read_meta(path)
+            old_digest = _stored_digest(path)
+        except DataError as exc:
+            if not update:
+                raise DataError(f"{exc.message}; or pass --update to replace it") from None
+            store.write_run(path, run)
+            _ledger(root).add(run, path=path, case=case)
+            return GoldenResult(case.id, path, "updated", new_digest, "replaced an unreadable golden")
         if old_digest == new_digest:
             return GoldenResult(case.id, path, "unchanged", new_digest, "re-recorded: identical content digest")
         changed = _meta_delta(old_meta, run.meta)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffcheck import store
+from diffcheck import store, store_format
 from diffcheck.errors import ConfigError, DataError, LockedError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
 
@@ -122,28 +122,130 @@ def test_empty_sequences_round_trip(tmp_path):
 def test_plain_pyarrow_reads_the_file(golden):
     run, path, _ = golden
     table = pq.read_table(path)  # no diffcheck, no pandas
-    assert table.column_names == ["seq", "step", "token_id", "logprob", "topk_ids", "topk_logprobs"]
-    assert table.num_rows == run.n_tokens
-    assert table["topk_ids"].to_pylist()[1] == run.steps.topk_ids[1].tolist()
-    assert pa.types.is_float16(table.schema.field("logprob").type)
+    assert table.column_names == ["seq", "step", "token_id", "logprob_code", "topk_ids", "top1_logprob_code",
+                                  "topk_logprob_gaps", "prompt_id", "prompt_token_ids", "text", "finish_reason",
+                                  "n_tokens"]
+    assert table.num_rows == run.n_tokens + 1  # sequence 1 generated nothing: one step -1 row
+    rows = table.to_pylist()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, -1, 0, 1, 2, 3, 4, 5, 6]
+    steps = [r for r in rows if r["step"] >= 0]
+    assert [r["topk_ids"] for r in steps] == run.steps.topk_ids.tolist()
+    # The documented decoding, by hand: code[r] = code[r-1] + gap; -logprob = (1 + f) * 2^(e - 15).
+    def decode(c):
+        e, f = c >> 6, (c & 63) / 64
+        return -np.inf if c == 1984 else -(1 + f) * 2.0 ** (e - 15) if e else -f * 2.0 ** -14
+
+    q = store.quantize(run).steps
+    for i, r in enumerate(steps):
+        codes = np.concatenate([[r["top1_logprob_code"]], r["top1_logprob_code"] + np.cumsum(r["topk_logprob_gaps"])])
+        assert (np.diff(codes) >= 0).all()  # sorted logprobs: non-negative gaps
+        np.testing.assert_array_equal([decode(int(c)) for c in codes], q.topk_logprobs[i])
+        assert decode(r["logprob_code"]) == q.logprob[i]
+    firsts = [r for r in rows if r["prompt_id"] is not None]
+    assert [(r["seq"], r["n_tokens"], r["text"], r["finish_reason"]) for r in firsts] == [
+        (i, s.n_tokens, s.text, s.finish_reason) for i, s in enumerate(run.sequences)]
+    assert firsts[2]["prompt_token_ids"] == list(run.sequences[2].prompt_token_ids)
+    assert sum(r["text"] is not None for r in rows) == len(run.sequences)
     kv = table.schema.metadata
-    assert int(kv[b"diffcheck.schema_version"]) == store.SCHEMA_VERSION
-    rows = json.loads(kv[b"diffcheck.sequences"])
-    assert [r["n_tokens"] for r in rows] == [5, 0, 7] and rows[0]["text"] == run.sequences[0].text
+    assert int(kv[b"diffcheck.schema_version"]) == store.SCHEMA_VERSION == 2
+    layout = json.loads(kv[b"diffcheck.layout"])
+    assert layout["logprob_mantissa_bits"] == 6 and "code[r] = code[r-1] + topk_logprob_gaps[r-1]" in layout["decoding"]
     assert json.loads(kv[b"diffcheck.meta"])["engine"]["effective"]["dtype"] == "float32"
 
 
 def test_quantization_bounds():
-    x = np.array([0.0, -0.0, -1e-6, -0.01, -1.0, -1.2345, -8.3, -16.7, -30.1, -np.inf, np.inf, 70000.0], np.float32)
-    q = store.quantize_logprobs(x).astype(np.float32)
-    finite = np.isfinite(x) & (np.abs(x) < 60000)
-    err = np.abs(q[finite] - x[finite])
-    assert (err <= 2.0 ** -8 * np.abs(x[finite]) + 1e-7).all(), err
-    assert np.isneginf(q[9]) and np.isposinf(q[10]) and np.isposinf(q[11])
-    assert q[0] == 0.0
-    np.testing.assert_array_equal(store.quantize_logprobs(q).view(np.uint16), store.quantize_logprobs(x).view(np.uint16))
-    nans = store.quantize_logprobs(np.array([np.nan, -np.nan], np.float32)).view(np.uint16)
-    assert (nans == 0x7E00).all()  # one canonical NaN, so digests do not depend on NaN payloads
+    x = np.array([0.0, -0.0, -1e-3, -0.01, -1.0, -1.2345, -8.3, -16.7, -30.1, -1000.3, -np.inf, np.inf, -7e4, 0.7],
+                 np.float32)
+    q = store.quantize_logprobs(x)
+    assert q.dtype == np.float32
+    finite = np.isfinite(x) & (np.abs(x) < 65000)
+    err = np.abs(q[finite].astype(np.float64) - x[finite].astype(np.float64))
+    assert (err <= (2.0 ** -7 + 2.0 ** -11) * np.abs(x[finite]) + 2.0 ** -21).all(), err  # 6 mantissa bits
+    dense = -np.linspace(0, 60, 20001).astype(np.float32)
+    assert (np.abs(store.quantize_logprobs(dense) - dense) <= (2.0 ** -7 + 2.0 ** -11) * -dense + 2.0 ** -21).all()
+    assert np.isneginf(q[10]) and np.isposinf(q[11]) and np.isneginf(q[12])
+    assert q[0] == 0.0 and q[1] == 0.0 and abs(q[13] - 0.7) <= 0.7 * 2 ** -7
+    np.testing.assert_array_equal(store.quantize_logprobs(q), q)  # idempotent
+    nans = store.quantize_logprobs(np.array([np.nan, -np.nan], np.float32))
+    assert np.isnan(nans).all()
+    codes = store_format.logprob_codes(np.array([np.nan, -np.nan, -np.inf], np.float32))
+    assert codes.tolist() == [2016, 2016, 1984]  # one NaN, so digests do not depend on NaN payloads
+
+
+def test_every_code_round_trips_exactly(tmp_path):
+    """Every finite code of -65024..0 and of small positive values, -inf padding and NaN come back
+    bit-exactly; rows need not be sorted."""
+    codes = np.concatenate([np.arange(0, 1984), np.arange(-2, -40, -1), [1984, 2016]]).astype(np.int32)
+    values = store_format.logprob_values(codes)
+    np.testing.assert_array_equal(store_format.logprob_codes(values), codes)
+    k = 5
+    n = -(-len(values) // k)
+    lp = np.full(n * k, -np.inf, np.float32)
+    lp[: len(values)] = values
+    lp = lp.reshape(n, k)
+    run = make_run((n,), k=k)
+    run = dataclasses.replace(run, steps=dataclasses.replace(run.steps, topk_logprobs=lp, logprob=lp[:, 1].copy()))
+    path = tmp_path / "G.parquet"
+    digest = store.write_run(path, run)
+    got = store.read_run(path)
+    np.testing.assert_array_equal(got.steps.topk_logprobs, lp)  # NaN == NaN here
+    np.testing.assert_array_equal(got.steps.logprob, lp[:, 1])
+    assert store.content_digest(got) == digest
+
+
+def test_codes_a_writer_cannot_produce_are_refused(tmp_path):
+    run = make_run((3,), k=4)
+    path = tmp_path / "B.parquet"
+    store.write_run(path, run)
+    table = pq.read_table(path)
+    bad = table.set_column(table.column_names.index("top1_logprob_code"), "top1_logprob_code",
+                           pa.array([2000, 0, 0], pa.int32()))  # a NaN payload no writer emits
+    pq.write_table(bad, path)
+    with pytest.raises(DataError, match="codes outside what diffcheck writes"):
+        store.read_run(path, verify=False)
+
+
+def test_padding_rows_round_trip_as_minus_inf(tmp_path):
+    run = make_run((6,), k=6, seed=3)
+    lp = run.steps.topk_logprobs.copy()
+    ids = run.steps.topk_ids.copy()
+    for i in range(6):  # row i has i candidates; row 0 has none at all
+        lp[i, i:] = -np.inf
+        ids[i, i:] = -1
+    run = dataclasses.replace(run, steps=dataclasses.replace(run.steps, topk_logprobs=lp, topk_ids=ids))
+    path = tmp_path / "P.parquet"
+    store.write_run(path, run)
+    got = store.read_run(path)
+    assert_same_run(got, run)
+    assert (np.isneginf(got.steps.topk_logprobs) == np.isneginf(lp)).all()
+    assert (got.steps.topk_ids == -1).sum() == 21
+
+
+def test_zero_token_sequences_have_a_placeholder_row(tmp_path):
+    run = make_run((0, 2, 0), k=3)
+    path = tmp_path / "Z.parquet"
+    store.write_run(path, run)
+    rows = pq.read_table(path).to_pylist()
+    assert [(r["seq"], r["step"], r["token_id"], r["n_tokens"]) for r in rows] == [
+        (0, -1, None, 0), (1, 0, int(run.steps.token_id[0]), 2), (1, 1, int(run.steps.token_id[1]), None),
+        (2, -1, None, 0)]
+    got = store.read_run(path)
+    assert [s.n_tokens for s in got.sequences] == [0, 2, 0] and got.sequences == run.sequences
+
+
+def test_older_schema_is_refused_with_the_rerecord_command(tmp_path, monkeypatch):
+    from diffcheck import store_format
+
+    path = tmp_path / "default" / "J.parquet"
+    monkeypatch.setattr(store_format, "SCHEMA_VERSION", 1)
+    store.write_run(path, make_run())
+    monkeypatch.undo()
+    with pytest.raises(DataError) as info:
+        store.read_run(path)
+    assert info.value.message == (f"{path}: written by an older diffcheck (schema 1 < 2, another logprob precision); "
+                                  "re-record with `diffcheck golden record J --update`")
+    with pytest.raises(DataError, match="older diffcheck"):
+        store.read_meta(path)
 
 
 def test_content_digest_covers_content_not_circumstances():
@@ -272,12 +374,14 @@ def test_listed_but_missing_file_fails_verification(golden):
 
 def test_newer_schema_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "N.parquet"
-    monkeypatch.setattr(store, "SCHEMA_VERSION", 2)
+    from diffcheck import store_format
+
+    monkeypatch.setattr(store_format, "SCHEMA_VERSION", 3)
     store.write_run(path, make_run())
-    monkeypatch.setattr(store, "SCHEMA_VERSION", 1)
+    monkeypatch.undo()
     with pytest.raises(DataError) as info:
         store.read_run(path)
-    assert info.value.message == f"{path}: written by a newer diffcheck (schema 2 > 1); upgrade diffcheck"
+    assert info.value.message == f"{path}: written by a newer diffcheck (schema 3 > 2); upgrade diffcheck"
 
 
 def test_corrupt_manifest_is_refused(golden):
@@ -303,7 +407,7 @@ CHILD = textwrap.dedent("""
     import sys, time, os
     sys.path.insert(0, {tests!r})
     from test_store import make_run
-    from diffcheck import store
+    from diffcheck import store, store_format
     path, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     run = make_run((n, 3), k=20, seed=7)
     real_update, real_write = store._update_manifest, store._atomic_write
