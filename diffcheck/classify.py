@@ -526,10 +526,10 @@ def _baselines(reference: Run, candidate: Run, ref: _Layout, cand: _Layout, al: 
     return exact, close
 
 
-def _text_metrics(run: Run) -> list[dict]:
+def _text_metrics(run: Run, diverged: np.ndarray) -> list[dict]:
     from diffcheck.quality import text_metrics  # lazy: written beside this core, not needed to import it
 
-    return [text_metrics(s.text, n_tokens=s.n_tokens) for s in run.sequences]
+    return [text_metrics(s.text, n_tokens=s.n_tokens) if d else {} for s, d in zip(run.sequences, diverged.tolist())]
 
 
 def _sequence_verdicts(judge: _Judge, *, fast: list[bool], layouts, exact: np.ndarray, close: np.ndarray
@@ -625,7 +625,9 @@ def compare_runs(
         scored_layout = _Layout.of(scored)
         _check_follows(candidate, scored, cand, scored_layout, what="scored", against="candidate")
     exact, close = _baselines(reference, candidate, ref, cand, al, tol)
-    metrics = _text_metrics(candidate) if text_metrics else [{} for _ in candidate.sequences]
+    # Text metrics only where they can matter: an identical sequence's text is the
+    # reference's, so it cannot raise a text signal (reports fill those in for display).
+    metrics = _text_metrics(candidate, al.t_star >= 0) if text_metrics else [{} for _ in candidate.sequences]
     judge = _Judge(reference=reference, candidate=candidate, scored=scored, layouts=(ref, cand, scored_layout),
                    al=al, pre=pre, fpath=fpath, tol=tol, metrics=metrics, token_text=token_text)
 

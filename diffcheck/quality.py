@@ -37,14 +37,18 @@ REPEAT_MIN_COUNT = 3
 REPEAT_MAX_GAP = 3
 
 _DATE_UNITS = frozenset("年月日时時分秒号號")
+_DIGIT = re.compile(r"\d")  # exactly str.isdecimal (Unicode Nd)
 _GROUP = re.compile(r"\d+")  # \d in a str pattern is exactly Unicode Nd, i.e. str.isdecimal
 
 
 # \W is "not str.isalnum() and not '_'", so this is exactly the soup characters.
-_SOUP = re.compile(r"[\W\d_" + "".join(sorted(_DATE_UNITS)) + r"]+")
+# A weird run needs >= WEIRD_MIN_DIGITS digits, so shorter stretches are never scanned.
+_SOUP = re.compile(r"[\W\d_" + "".join(sorted(_DATE_UNITS)) + r"]{%d,}" % WEIRD_MIN_DIGITS)
 
 
 def _ascii_digits(group: str) -> str:
+    if group.isascii():
+        return group
     return "".join(str(unicodedata.decimal(c)) for c in group)
 
 
@@ -57,7 +61,7 @@ def digit_ratio(text: str) -> float:
     nonspace = len(text) - sum(map(str.isspace, text))
     if nonspace == 0:
         return 0.0
-    return sum(map(str.isdecimal, text)) / nonspace
+    return len(_DIGIT.findall(text)) / nonspace
 
 
 def max_digit_run(text: str) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,7 +298,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     if not references:
         raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
     goldens = {r: load_golden(root, suite.name, r) for r in references}
-    tolerances = classify.Tolerances.from_dict(case.tolerances or {})
+    tolerances = classify.Tolerances.from_dict(case.tolerances or {},
+                                               source=f"{case.source}: [cases.{case.id}.tolerances]")
     reused: list[str] = []
     if run_file is not None:
         # Offline re-judging: only recorded files, never an engine.
@@ -326,30 +328,40 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                                                 verbose=verbose, echo=echo, pool=pool)
                 except EngineError as exc:
                     echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
+    tok = load_tokenizer(case)
+    token_text = (lambda t: tok.decode([int(t)])) if tok is not None else None
     verdicts = []
     for r in references:
         v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
-                                  tolerances=tolerances, candidate_id=case.id, reference_id=r)
+                                  tolerances=tolerances, candidate_id=case.id, reference_id=r,
+                                  token_text=token_text)
         delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
-        verdicts.append(dataclasses.replace(v, config_delta=delta))
+        verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta))
     _ledger(root).set_verdict(candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused))
 
 
-def token_strings(run: Run, seq: int, tokenizer=None) -> tuple[str, ...]:
-    """Per-token strings for reports; without a tokenizer, the ids."""
-    ids = run.sequence(seq).token_id.tolist()
-    if tokenizer is None:
-        return tuple(f"<{t}>" for t in ids)
-    return tuple(tokenizer.convert_ids_to_tokens(ids))
+def with_quality(verdict: CaseVerdict, candidate: Run) -> CaseVerdict:
+    """Fill in the seed's text metrics the classifier skipped (identical sequences), for reports."""
+    from diffcheck.quality import text_metrics
+
+    seqs = tuple(s if s.quality else dataclasses.replace(
+        s, quality=text_metrics(candidate.sequences[s.index].text, candidate.sequences[s.index].n_tokens))
+        for s in verdict.sequences)
+    return dataclasses.replace(verdict, sequences=seqs)
 
 
 def load_tokenizer(case) -> Any | None:
-    """The model's tokenizer (transformers), for token strings in reports; None if unavailable."""
+    """The model's tokenizer (transformers), for token strings in evidence and reports."""
+    return _tokenizer(case.model)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str) -> Any | None:
     try:
         from diffcheck import models
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(models.resolve(case.model).path))
-    except Exception:  # reports fall back to ids; judging never needs the tokenizer
+        return AutoTokenizer.from_pretrained(str(models.resolve(model).path))
+    except Exception:  # evidence and reports fall back to token ids; judging never needs it
         return None
