@@ -1,16 +1,20 @@
 """The labelled self-test: do the verdicts catch every fault and pass every benign variant?
 
-Labels live in the case files (``expect``), never here. A case whose ``expect``
-names GIBBERISH or NUMERIC_DRIFT is a *fault* (a positive); any other labelled
-case is *benign*. For each case the comparison runs as `diffcheck compare` does,
-and the same sequences are also judged by the older rules, so the table shows
-what each would have said:
+Labels live in the case files (``expect``), never here. Each labelled case is in
+one class: a *gibberish fault* (``expect.verdict = GIBBERISH``), a *degraded
+fault* (``expect.verdict = NUMERIC_DRIFT``: the honest label of a fault that
+hurts quality without turning the text into garbage), or *benign* (anything
+else). For each case the comparison runs as `diffcheck compare` does, and the
+same sequences are also judged by the older rules, so the table shows what each
+would have said. A detector *flags* a case when it calls it broken:
 
-- ``diffcheck``: flags a case when its verdict fails the run (GIBBERISH; with
-  ``strict`` NUMERIC_DRIFT too);
-- ``exact_match`` (vLLM's check_outputs_equal): flags any token difference;
-- ``check_logprobs_close`` (vLLM): flags when, at the first mismatch, either
-  side's token is outside the other's top-N.
+- ``diffcheck``: GIBBERISH or ERROR (NUMERIC_DRIFT too with ``strict``);
+- ``exact_match`` (vLLM's check_outputs_equal): any token difference;
+- ``check_logprobs_close`` (vLLM): at the first mismatch, either side's token is
+  outside the other's top-N.
+
+Whether a case passes is its own label's business (`Expect.matches`): a degraded
+fault must come out NUMERIC_DRIFT, a benign variant must not be GIBBERISH.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from diffcheck.types import Verdict
 DETECTORS = ("diffcheck", "exact_match", "check_logprobs_close")
 
 
+CLASSES = ("gibberish fault", "degraded fault", "benign")
+
+
 @dataclass(frozen=True)
 class Outcome:
     case_id: str
     reference_id: str
-    positive: bool  # a fault case
+    label: str  # one of CLASSES
     expected: str
     verdict: Verdict
     onset: int | None
@@ -52,7 +59,7 @@ def labelled_cases(suite, *, include=None, exclude_tags=("slow", "gpu")):
 
 def outcome(case, verdict, *, strict: bool = False) -> Outcome:
     exp = case.expect
-    positive = exp.verdict in (Verdict.GIBBERISH, Verdict.NUMERIC_DRIFT)
+    label = {Verdict.GIBBERISH: CLASSES[0], Verdict.NUMERIC_DRIFT: CLASSES[1]}.get(exp.verdict, CLASSES[2])
     worst = max(verdict.sequences, key=lambda s: s.verdict.value, default=None)
     onsets = [s.onset for s in verdict.sequences if s.onset is not None]
     onset = min(onsets) if onsets else None
@@ -70,19 +77,19 @@ def outcome(case, verdict, *, strict: bool = False) -> Outcome:
         expected = "not " + "/".join(v.name for v in exp.not_verdict)
     if exp.onset is not None:
         expected += f" @{exp.onset}±{exp.onset_tolerance}"
-    return Outcome(case_id=case.id, reference_id=verdict.reference_id, positive=positive, expected=expected,
+    return Outcome(case_id=case.id, reference_id=verdict.reference_id, label=label, expected=expected,
                    verdict=verdict.verdict, onset=onset, expected_onset=exp.onset, onset_error=onset_error,
                    passed=passed, flagged=flagged,
                    evidence=(worst.evidence[0] if worst is not None and worst.evidence else (verdict.error or "")))
 
 
-def confusion(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
-    """Per detector: faults caught (tp), faults missed (fn), benign flagged (fp), benign passed (tn)."""
+def confusion(outcomes: list[Outcome]) -> dict[str, dict[str, str]]:
+    """Per detector and class: how many cases it flagged, as "flagged/total"."""
     table = {}
     for d in DETECTORS:
-        row = {"tp": 0, "fn": 0, "fp": 0, "tn": 0}
-        for o in outcomes:
-            key = ("tp" if o.flagged[d] else "fn") if o.positive else ("fp" if o.flagged[d] else "tn")
-            row[key] += 1
+        row = {}
+        for cls in CLASSES:
+            members = [o for o in outcomes if o.label == cls]
+            row[cls] = f"{sum(o.flagged[d] for o in members)}/{len(members)}"
         table[d] = row
     return table

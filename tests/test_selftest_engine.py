@@ -24,7 +24,7 @@ def test_short_selftest(tmp_path, smoke_suite, engine_pool):
     assert by_case["S1"].verdict is not Verdict.GIBBERISH, by_case["S1"]
     assert all(o.passed for o in outcomes), outcomes
     table = selftest.confusion(outcomes)
-    assert table["diffcheck"] == {"tp": 1, "fn": 0, "fp": 0, "tn": 1}
+    assert table["diffcheck"] == {"gibberish fault": "1/1", "degraded fault": "0/0", "benign": "0/1"}
     # the recorded runs can be re-judged offline, without an engine
     run_file = store.run_path(tmp_path, "smoke", "E", role="candidate")
     offline = runner.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)

@@ -27,6 +27,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     from rich.table import Table
 
     from diffcheck import cases, runner, selftest as st, store
+    from diffcheck.report.terminal import make_console
 
     s = cases.load_suite(suite)
     root = runner.goldens_root(goldens)
@@ -61,13 +62,13 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
                       "" if o.onset_error is None else str(o.onset_error), word[o.flagged["diffcheck"]],
                       word[o.flagged["exact_match"]], word[o.flagged["check_logprobs_close"]],
                       "[green]yes[/]" if o.passed else "[red]NO[/]")
-    out = Console()
+    out = make_console()
     out.print(table)
     conf = st.confusion(outcomes)
-    ctable = Table("detector", "faults caught", "faults missed", "benign flagged", "benign passed",
-                   title="confusion (faults = cases labelled GIBBERISH/NUMERIC_DRIFT)")
+    ctable = Table("detector", *(f"{c}s flagged" for c in st.CLASSES),
+                   title="what each rule calls broken (gibberish faults should be flagged, benign variants not)")
     for d, row in conf.items():
-        ctable.add_row(d, str(row["tp"]), str(row["fn"]), str(row["fp"]), str(row["tn"]))
+        ctable.add_row(d, *(row[c] for c in st.CLASSES))
     out.print(ctable)
     failed = [o for o in outcomes if not o.passed]
     out.print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed  ({time.perf_counter() - t0:.0f}s)")

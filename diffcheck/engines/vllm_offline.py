@@ -36,8 +36,10 @@ from diffcheck.engines.base import Engine, hardware
 from diffcheck.errors import ConfigError, EngineError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
 
-_ROOT_CAUSE = re.compile(r"^(?:\S+\.)?(\w*(?:Error|Exception|Exit)\w*): (.+)$")
-_NOISE = ("Engine core initialization failed", "See root cause above", "EngineCore failed to start")
+_ROOT_CAUSE = re.compile(r"(?:^|[\s.])(\w*(?:Error|Exception|Exit)): (.+)$")
+# Wrappers that only point elsewhere ("see above"): never the root cause.
+_NOISE = ("Engine core initialization failed", "See root cause above", "EngineCore failed to start",
+          "EngineCore encountered", "See stack trace", "Worker failed with error", "Traceback")
 
 
 def _is_cpu() -> bool:
@@ -123,14 +125,13 @@ def _captured_output(log_path: Path | None):
 
 
 def root_cause(exc: BaseException, log_text: str = "") -> str:
-    """The most specific error line: from the engine log if it has one, else the exception chain."""
-    candidates = []
+    """The most specific error line: the engine log's first real error, else the exception chain."""
+    # The first error line in the engine log is the innermost one: the worker's or
+    # engine core's own exception, before the layers that re-raise it.
     for line in log_text.splitlines():
-        m = _ROOT_CAUSE.match(line.strip())
+        m = _ROOT_CAUSE.search(line.strip())
         if m and not any(n in line for n in _NOISE):
-            candidates.append(f"{m.group(1)}: {m.group(2)}")
-    if candidates:
-        return candidates[-1]
+            return f"{m.group(1)}: {m.group(2)}"
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
     errors = getattr(exc, "errors", None)
