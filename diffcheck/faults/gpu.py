@@ -49,8 +49,9 @@ def _announce_acting(spec: FaultSpec, *, capture: bool) -> None:
     if runtime.STATE.announced_acting:
         return
     runtime.STATE.announced_acting = True
-    where = "a graph-capture build" if capture else f"decode step {runtime.STATE.clock.step}"
-    runtime.log.warning("diffcheck fault %s acting from %s in pid %d", spec.label, where, os.getpid())
+    # Step None: a build outside the decode-step clock (warm-up or capture, before any prefill).
+    runtime.log.warning("diffcheck fault %s acting from its first decode-only build (graph capture: %s, "
+                        "decode step %s) in pid %d", spec.label, capture, runtime.STATE.clock.step, os.getpid())
     runtime.write_marker("acting", step=runtime.STATE.clock.step, capture=capture)
 
 

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU lane on the device machine (one NVIDIA H200, no registry), in stages that fit
+# its 10-minute calls. Run from the repository root of the working-tree copy there:
+#
+#   bash goldens/gpu-h200/device-run.sh collect            copy carried bundle files into $HOME/bundle
+#   bash goldens/gpu-h200/device-run.sh install            + install.sh (verify, install, model prepare)
+#   bash goldens/gpu-h200/device-run.sh goldens CASE...    diffcheck golden record --suite gpu-h200 CASE...
+#   bash goldens/gpu-h200/device-run.sh compare CASE...    diffcheck compare CASE --json --html, each
+#   bash goldens/gpu-h200/device-run.sh speed              goldens/gpu-h200/speed.py (the speed table)
+#
+# Several stages may be given in one call, separated by '--'. State lives in $HOME
+# (the bundle, the install, the model, the goldens written so far), which survives
+# while the machine stays warm between calls. Every call ends by packing what the
+# suite wrote (goldens/gpu-h200, reports, logs, engine logs) into $OUT/gpu-results.tar.gz,
+# and the goldens are restored from $HOME at the start of the next call.
+set -uo pipefail
+REPO=$(pwd)
+BUNDLE=$HOME/bundle
+DEST=$HOME/dcgpu
+STATE=$HOME/gpu-state            # goldens/ and logs carried between calls on the warm machine
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" "$BUNDLE" "$STATE/logs"
+export PYTHONUNBUFFERED=1
+
+# The checkout first on the path: its diffcheck (and its fault modules) win over the
+# bundled wheel's copy; the wheel's dist-info still provides the vLLM plugin entry point.
+use_env() {
+  export PYTHONPATH="$REPO:$DEST/site"
+  export DIFFCHECK_CACHE="$DEST/cache"
+  export TMPDIR="$STATE/tmp"; mkdir -p "$TMPDIR"   # engine logs land here (collected below)
+  DC="python3 -m diffcheck.cli"
+}
+
+restore_goldens() {
+  if [ -d "$STATE/goldens" ]; then cp -a "$STATE/goldens/." "$REPO/goldens/"; fi
+}
+
+save_goldens() {  # this suite's data and the ledger; never the scripts (restore would overwrite the running one)
+  mkdir -p "$STATE/goldens/gpu-h200"
+  (cd "$REPO/goldens/gpu-h200" && cp -a ./*.parquet MANIFEST.json speed.json reports "$STATE/goldens/gpu-h200/" 2>/dev/null) || true
+  cp -a "$REPO"/goldens/ledger* "$STATE/goldens/" 2>/dev/null || true
+}
+
+timed() {  # timed LABEL CMD...: run, log, record seconds and exit code
+  local label=$1; shift
+  local t0 t1 rc
+  t0=$(date +%s%N)
+  "$@" 2>&1 | tee -a "$STATE/logs/$label.log"
+  rc=${PIPESTATUS[0]}
+  t1=$(date +%s%N)
+  printf '%s\trc=%s\t%d ms\t%s\n' "$label" "$rc" $(( (t1 - t0) / 1000000 )) "$*" | tee -a "$STATE/logs/timings.tsv"
+  return 0
+}
+
+stage() {
+  local name=$1; shift
+  case "$name" in
+    collect)
+      cp -f dist/gpu-bundle/* "$BUNDLE/" 2>/dev/null || true
+      ls -la "$BUNDLE"
+      ;;
+    install)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$STATE/logs/gpu.txt"
+      python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$STATE/logs/gpu.txt"
+      timed install bash "$BUNDLE/install.sh" "$DEST"
+      use_env
+      python3 -c "import vllm, vllm.entrypoints.llm, vllm.v1.attention.backends.triton_attn, diffcheck.faults.gpu, diffcheck.faults.spec as s; print('vllm', vllm.__version__, 'seq-lens-copy in catalogue:', 'seq-lens-copy' in s._BY_NAME); from importlib.metadata import entry_points; print('plugins', [e.name for e in entry_points(group='vllm.general_plugins')])" 2>&1 | tee -a "$STATE/logs/gpu.txt"
+      ;;
+    goldens)
+      use_env
+      timed "golden-record" $DC golden record --suite gpu-h200 "$@"
+      ;;
+    compare)
+      use_env
+      mkdir -p goldens/gpu-h200/reports
+      for c in "$@"; do
+        timed "compare-$c" $DC compare "$c" --suite gpu-h200 \
+          --json "goldens/gpu-h200/reports/$c.json" --html "goldens/gpu-h200/reports/$c.html"
+      done
+      ;;
+    speed)
+      use_env
+      timed speed python3 goldens/gpu-h200/speed.py --out goldens/gpu-h200/speed.json "$@"
+      ;;
+    *)
+      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, compare, speed)" >&2
+      return 2
+      ;;
+  esac
+}
+
+pack() {  # after every stage, so a call stopped at its time limit still returns what was done
+  save_goldens
+  mkdir -p "$STATE/logs/engine"
+  cp -f "$STATE"/tmp/diffcheck-*.engine.log "$STATE/logs/engine/" 2>/dev/null || true
+  tar -czf "$OUT/gpu-results.tar.gz.tmp" -C "$STATE" goldens logs && mv "$OUT/gpu-results.tar.gz.tmp" "$OUT/gpu-results.tar.gz"
+}
+
+restore_goldens
+args=("$@")
+i=0
+while [ $i -lt ${#args[@]} ]; do
+  name=${args[$i]}; i=$((i + 1)); rest=()
+  while [ $i -lt ${#args[@]} ] && [ "${args[$i]}" != "--" ]; do rest+=("${args[$i]}"); i=$((i + 1)); done
+  i=$((i + 1))
+  stage "$name" "${rest[@]+"${rest[@]}"}"
+  [ "$name" = collect ] || pack
+done
+ls -la "$OUT"
+cat "$STATE/logs/timings.tsv" 2>/dev/null
