@@ -5,7 +5,7 @@ class from a chosen decode step on (see `spec` for the environment contract and 
 exact meaning of "decode step", and README.md here for the table). A fault is
 selected by DIFFCHECK_FAULT in a case's ``env``; vLLM runs `register()` in every
 one of its processes (API/driver, engine core, workers) through the
-``vllm.general_plugins`` entry point ``diffcheck_faults``.
+``vllm.general_plugins`` entry point ``diffcheck`` (``diffcheck.plugins:register``, which calls this).
 
 Contract:
 
