@@ -92,7 +92,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
         if v.verdict.name not in ("IDENTICAL",) and v.sequences:
             render_divergence(v, console=out)
     if comparison.candidate is not None:
-        digest = store.content_digest(comparison.candidate)
+        digest = store.output_digest(comparison.candidate)
         same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
         if same:
             click.echo(f"same output as {', '.join(sorted(same))} (content {digest[:12]})")
