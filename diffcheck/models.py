@@ -91,17 +91,18 @@ def resolve(model: str, *, root: Path | None = None) -> PreparedModel:
     if model in KNOWN_MODELS:
         folder = model_dir(model, root)
         fix = f"run `diffcheck model prepare {model}`"
+        refix = f"run `diffcheck model prepare {model} --force`"
         manifest = folder / MANIFEST
         if not manifest.is_file():
             raise DataError(f"model '{model}' is not prepared ({folder} has no {MANIFEST}); {fix}")
         try:
             recorded = json.loads(manifest.read_text())["digest"]
         except (ValueError, KeyError) as exc:
-            raise DataError(f"{manifest}: unreadable manifest ({exc}); {fix} --force") from None
+            raise DataError(f"{manifest}: unreadable manifest ({exc}); {refix}") from None
         actual = folder_digest(folder)
         if actual != recorded:
             raise DataError(
-                f"{folder}: model files do not match their digest (recorded {recorded[:12]}, found {actual[:12]}); {fix} --force"
+                f"{folder}: model files do not match their digest (recorded {recorded[:12]}, found {actual[:12]}); {refix}"
             )
         return PreparedModel(id=model, path=folder, digest=recorded)
     path = Path(model).expanduser()
