@@ -68,7 +68,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
 
     from diffcheck import cases, ledger, runner, store
     from diffcheck.errors import DiffcheckError
-    from diffcheck.report import render_divergence, render_table, write_html, write_json, write_junit
+    from diffcheck.report import render_divergence, render_table, worst_sequence, write_html, write_json, write_junit
 
     try:
         s = cases.load_suite(suite)
@@ -87,26 +87,27 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
         raise
     for line in comparison.reused:
         click.echo(line)
-    out = render_table(comparison.verdicts)
-    for v in comparison.verdicts:
-        if v.verdict.name not in ("IDENTICAL",) and v.sequences:
-            render_divergence(v, console=out)
-    if comparison.candidate is not None:
-        digest = store.output_digest(comparison.candidate)
-        same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
-        if same:
-            click.echo(f"same output as {', '.join(sorted(same))} (content {digest[:12]})")
     meta = {"suite": s.name, "candidate": case_id, "references": [v.reference_id for v in comparison.verdicts],
             "command": "diffcheck compare " + case_id + (f" --run {run_file}" if run_file else "")}
     if comparison.candidate is not None:
         meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
         meta["hardware"] = comparison.candidate.meta.hardware
+    texts = report_input(comparison, s, case_id, meta)
+    out = render_table(comparison.verdicts)
+    for v in comparison.verdicts:
+        if v.verdict.name not in ("IDENTICAL",) and v.sequences:
+            render_divergence(v, texts.texts_for(v, worst_sequence(v)), console=out)
+    if comparison.candidate is not None:
+        digest = store.output_digest(comparison.candidate)
+        same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
+        if same:
+            click.echo(f"same output as {', '.join(sorted(same))} (content {digest[:12]})")
     if json_path:
         write_json(json_path, comparison.verdicts, meta)
     if junit_path:
         write_junit(junit_path, comparison.verdicts, strict=strict)
     if html_path:
-        write_html(html_path, report_input(comparison, s, case_id, meta))
+        write_html(html_path, texts)
     for p in (json_path, junit_path, html_path):
         if p:
             click.echo(f"wrote {p}")

@@ -65,7 +65,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     out = make_console()
     out.print(table)
     conf = st.confusion(outcomes)
-    ctable = Table("detector", *(f"{c}s flagged" for c in st.CLASSES),
+    ctable = Table("detector", *(f"flagged: {c}s" if c != "benign" else "flagged: benign variants" for c in st.CLASSES),
                    title="what each rule calls broken (gibberish faults should be flagged, benign variants not)")
     for d, row in conf.items():
         ctable.add_row(d, *(row[c] for c in st.CLASSES))
