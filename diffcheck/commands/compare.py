@@ -101,7 +101,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
         digest = store.output_digest(comparison.candidate)
         same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
         if same:
-            click.echo(f"same output as {', '.join(sorted(same))} (content {digest[:12]})")
+            click.echo(f"same output as {', '.join(sorted(same))} (output digest {digest[:12]})")
     if json_path:
         write_json(json_path, comparison.verdicts, meta)
     if junit_path:
