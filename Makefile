@@ -49,7 +49,7 @@ bench: model
 	$(BIN)/python bench/run_all.py
 
 gpu-bundle: install
-	$(BIN)/diffcheck bundle --out dist/gpu-bundle
+	$(BIN)/python -m tools.gpu_bundle.build --out dist/gpu-bundle
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

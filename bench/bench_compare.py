@@ -5,7 +5,7 @@ like a real sampled run: most sequences identical with tiny logprob noise (so so
 low-rank top-K entries swap order), some drifting after a near-tie flip, a few turning
 into confident garbage. Times `classify.compare_runs` three ways (candidate only, with
 the reference's scoring, with scoring and forced replay), each without and with the
-seed's text metrics (per-character Python, `diffcheck.quality`), and prints tokens/s.
+seed's text metrics (per-character Python, `diffcheck.judging.quality`), and prints tokens/s.
 
     python bench/bench_compare.py [--sequences 2000] [--steps 512] [--repeat 3] [--noise 1e-3] [--workers N]
 
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from diffcheck import classify, stats
+from diffcheck.judging import classify, stats
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
 
 K = 20

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffcheck import store, store_format  # noqa: E402
+from diffcheck.storage import store, codec as store_format  # noqa: E402
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -201,7 +201,7 @@ def with_mantissa_bits(bits: int, fn):
 
 def kl_fidelity(run: Run, *, seed: int = 1) -> dict:
     """Mean top-k KL (classify.py's) between the run and a noisy copy: unquantized, at each precision."""
-    from diffcheck import stats
+    from diffcheck.judging import stats
 
     rng = np.random.default_rng(seed)
     ids, lr = run.steps.topk_ids, run.steps.topk_logprobs

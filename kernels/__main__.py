@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default="", help="write the results here")
     args = parser.parse_args(argv)
 
-    from kernels.results import overall_ok, write_json
-    from kernels.suite import CONFIGS, run_suite
-    from kernels.table import format_plain, verdict_line
+    from diffcheck_kernels.results import overall_ok, write_json
+    from diffcheck_kernels.suite import CONFIGS, run_suite
+    from diffcheck_kernels.table import format_plain, verdict_line
 
     names = tuple(k for k in args.kernels.split(",") if k) or None
     start = time.perf_counter()

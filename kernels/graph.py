@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-from kernels.batch import METADATA_FIELDS, DecodeBatch, DecodeMetadata, DecodeShape, capture_metadata, padded_metadata
-from kernels.impls import Forward
+from diffcheck_kernels.batch import METADATA_FIELDS, DecodeBatch, DecodeMetadata, DecodeShape, capture_metadata, padded_metadata
+from diffcheck_kernels.impls import Forward
 
 
 @dataclass(frozen=True)

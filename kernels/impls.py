@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from kernels.batch import DecodeMetadata, KVPool
+from diffcheck_kernels.batch import DecodeMetadata, KVPool
 
 Forward = Callable[[torch.Tensor, DecodeMetadata, torch.Tensor], None]
 
@@ -219,7 +219,7 @@ class TritonPagedDecode(DecodeImpl):
         return Availability(False, "needs CUDA (on the CPU only under TRITON_INTERPRET=1, which the tests use)")
 
     def bind(self, pool):
-        from kernels.triton_decode import paged_decode
+        from diffcheck_kernels.triton_decode import paged_decode
 
         shape = pool.shape
         key_cache, value_cache = pool.key_cache, pool.value_cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.batch import DecodeBatch, KVPool
+from diffcheck_kernels.batch import DecodeBatch, KVPool
 
 
 def reference_decode(pool: KVPool, batch: DecodeBatch) -> torch.Tensor:

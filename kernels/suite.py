@@ -33,12 +33,12 @@ from typing import Callable
 
 import torch
 
-from kernels.batch import BatchSpec, DecodeShape, KVPool, exact_metadata, make_pool
-from kernels.compare import DTYPES, TOLERANCES, Tolerance, error_stats
-from kernels.graph import BUILDERS, CapturedDecode
-from kernels.impls import IMPLS, DecodeImpl
-from kernels.reference import reference_decode
-from kernels.results import BROKEN_BUILDERS, CAUGHT, FAIL, MISSED, PASS, CaseResult, SkippedKernel, SuiteResult
+from diffcheck_kernels.batch import BatchSpec, DecodeShape, KVPool, exact_metadata, make_pool
+from diffcheck_kernels.compare import DTYPES, TOLERANCES, Tolerance, error_stats
+from diffcheck_kernels.graph import BUILDERS, CapturedDecode
+from diffcheck_kernels.impls import IMPLS, DecodeImpl
+from diffcheck_kernels.reference import reference_decode
+from diffcheck_kernels.results import BROKEN_BUILDERS, CAUGHT, FAIL, MISSED, PASS, CaseResult, SkippedKernel, SuiteResult
 
 
 @dataclass(frozen=True)

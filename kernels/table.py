@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.results import CAUGHT, FAIL, MISSED, PASS, Comparison, SuiteResult, overall_ok
+from diffcheck_kernels.results import CAUGHT, FAIL, MISSED, PASS, Comparison, SuiteResult, overall_ok
 
 COLUMNS = ("kernel", "mode", "dtype", "shape", "cases", "max err", "mean err", "tolerance", "result")
 

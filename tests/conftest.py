@@ -83,7 +83,7 @@ def smoke_suite(smoke_suite_path):
 @pytest.fixture(scope="session")
 def engine(smoke_suite):
     """The one shared real engine (the smoke suite's reference J)."""
-    from diffcheck import runner
+    from diffcheck.pipeline import runner
 
     eng = runner.open_engine(smoke_suite.cases["J"])
     yield eng
@@ -98,7 +98,7 @@ def reference_run(engine):
 @pytest.fixture(scope="session")
 def engine_pool(engine):
     """A pool that already holds the shared engine as reference J (never closed by tests)."""
-    from diffcheck import runner
+    from diffcheck.pipeline import runner
 
     pool = runner.EnginePool()
     pool.engines["J"] = engine

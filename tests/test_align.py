@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffcheck.align import align, first_divergence, segment_rows
+from diffcheck.judging.align import align, first_divergence, segment_rows
 from diffcheck.errors import DataError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
 

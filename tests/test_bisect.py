@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck import bisect as bisecting
-from diffcheck import plugins, store
+from diffcheck.pipeline import bisect as bisecting
+from diffcheck import plugins
+from diffcheck.storage import store
 from test_ledger import CLEAN, git, init_repo, load_case, make_run, write_suite
 
 N_COMMITS = 16
@@ -89,7 +90,9 @@ import os, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 import diffcheck.faults as faults
-from diffcheck import cases, ledger, plugins, runner, store
+from diffcheck import cases, plugins
+from diffcheck.storage import ledger, store
+from diffcheck.pipeline import runner
 from diffcheck.types import Verdict
 from test_ledger import BROKEN, CLEAN, make_run
 
@@ -430,7 +433,9 @@ env = {{ DIFFCHECK_PLUGIN_MODULES = "toyplugin" }}
 def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monkeypatch, capsys):
     import importlib.metadata
 
-    from diffcheck import cases, ledger, runner
+    from diffcheck import cases
+    from diffcheck.storage import ledger
+    from diffcheck.pipeline import runner
     from diffcheck.cli import main
 
     hooks = {ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck import bundle
+from tools.gpu_bundle import build as bundle
 from diffcheck.errors import ConfigError, DataError
 
 try:
@@ -134,13 +134,11 @@ def test_read_manifest_errors_name_the_file(tmp_path):
         bundle.read_manifest(tmp_path)
 
 
-def test_cli_verify_reports_bad_pieces(tmp_path):
-    from diffcheck.cli import main
-
+def test_verify_command_reports_bad_pieces(tmp_path):
     out, _ = _pieces(tmp_path, os.urandom(300))
-    assert main(["bundle", "--verify", str(out)]) == 0
+    assert bundle.main(["--verify", str(out)]) == 0
     (out / "b.bin.001").write_bytes(b"x" * 100)
-    assert main(["bundle", "--verify", str(out)]) == 1
+    assert bundle.main(["--verify", str(out)]) == 1
 
 
 # -- wheels --------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from diffcheck import classify
-from diffcheck.classify import Tolerances, compare_runs, error_verdict
+from diffcheck.judging import classify
+from diffcheck.judging.classify import Tolerances, compare_runs, error_verdict
 from diffcheck.errors import ConfigError, DataError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps, Verdict
 
@@ -392,7 +392,7 @@ def test_tolerances_change_the_verdict():
 
 def test_the_comparison_core_imports_no_engine():
     code = (
-        "import sys, diffcheck.classify, diffcheck.stats, diffcheck.align\n"
+        "import sys, diffcheck.judging.classify, diffcheck.judging.stats, diffcheck.judging.align\n"
         "heavy = [m for m in ('torch', 'vllm', 'pyarrow', 'transformers') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

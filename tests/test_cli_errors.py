@@ -178,7 +178,7 @@ def test_usage_errors_exit_2_without_traceback(capsys):
 @pytest.fixture
 def corrupt_golden(tmp_path, suite_path):
     """A golden for J written by the store, verified good, then one byte flipped."""
-    from diffcheck import store
+    from diffcheck.storage import store
 
     root = tmp_path / "goldens"
     path = store.run_path(root, "errs", "J")
@@ -259,7 +259,7 @@ def test_user_errors_map_to_their_exit_codes(monkeypatch, capsys, exc, code):
 
 
 def test_compare_exit_codes_for_an_engine_error_verdict():
-    from diffcheck.commands.compare import exit_code
+    from diffcheck.cli.compare import exit_code
     from diffcheck.types import Verdict
 
     assert exit_code(Verdict.ERROR, strict=False, bisect_codes=False) == 3
@@ -274,7 +274,8 @@ def test_compare_exit_codes_for_an_engine_error_verdict():
 def test_engine_refusal_is_raised_in_the_parent_with_its_root_cause(suite_path):
     # vLLM validates max_model_len against the model's config before it spawns the
     # engine core, so this fails in seconds, in this process, with no engine to clean up.
-    from diffcheck import cases, runner
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
 
     case = cases.load_suite(suite_path).cases["X"]
     with pytest.raises(EngineError) as info:
@@ -297,7 +298,7 @@ def test_engine_failure_in_run_is_one_line_exit_3(tmp_path, suite_path):
 @pytest.fixture
 def golden_root(tmp_path) -> Path:
     """A goldens root holding a synthetic golden for J, so `compare X` gets as far as the engine."""
-    from diffcheck import store
+    from diffcheck.storage import store
 
     root = tmp_path / "goldens"
     store.write_run(store.run_path(root, "errs", "J"), synthetic_run())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffcheck.cli import main
-from kernels.results import read_json, read_parquet, write_json, write_parquet
+from diffcheck_kernels.results import read_json, read_parquet, write_json, write_parquet
 
 BASE = ["kernels", "--suite", "quick", "--kernels", "torch-sdpa"]
 
@@ -65,7 +65,7 @@ def test_lifecycle_record_compare_regress(capsys, tmp_path):
 def test_tampered_store_is_a_one_line_data_error(capsys, tmp_path):
     import pyarrow.parquet as pq
 
-    from kernels.suite import QUICK, run_suite
+    from diffcheck_kernels.suite import QUICK, run_suite
 
     src = write_json(run_suite("cpu", QUICK, kernels=("torch-sdpa",)), tmp_path / "run.json")
     assert main(["kernels", "--from-json", str(src), "--out", str(tmp_path), "--update"]) == 0
@@ -80,7 +80,7 @@ def test_tampered_store_is_a_one_line_data_error(capsys, tmp_path):
 
 
 def test_from_json_stores_results_of_another_machine(capsys, tmp_path):
-    from kernels.suite import QUICK, run_suite
+    from diffcheck_kernels.suite import QUICK, run_suite
 
     result = run_suite("cpu", QUICK, kernels=("torch-sdpa",))
     remote = dataclasses.replace(result, device="cuda", env={**result.env, "device_name": "pretend GPU"})

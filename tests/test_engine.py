@@ -33,7 +33,7 @@ def test_generate_captures_topk(reference_run, engine):
 
 
 def test_generation_is_deterministic(engine, reference_run):
-    from diffcheck import store
+    from diffcheck.storage import store
 
     again = engine.generate()
     assert store.content_digest(again) == store.content_digest(reference_run)
@@ -67,7 +67,7 @@ def test_scoring_matches_decode_logprobs(engine, reference_run):
 
 
 def test_record_verify_round_trip(tmp_path, reference_run):
-    from diffcheck import store
+    from diffcheck.storage import store
 
     path = store.run_path(tmp_path, "smoke", "J")
     digest = store.write_run(path, reference_run)

@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffcheck import runner, store
+from diffcheck.pipeline import runner
+from diffcheck.storage import store
 from diffcheck.errors import DiffcheckError
 
 pytestmark = pytest.mark.engine

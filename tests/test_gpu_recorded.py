@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck import cases, store
+from diffcheck import cases
+from diffcheck.storage import store
 from diffcheck.cli import main
 from diffcheck.errors import ConfigError
 from diffcheck.types import Verdict

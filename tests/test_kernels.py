@@ -19,12 +19,12 @@ import textwrap
 import pytest
 import torch
 
-from kernels.batch import BatchSpec, DecodeShape, capture_metadata, exact_metadata, make_pool, padded_metadata
-from kernels.compare import TOLERANCES, Tolerance, assert_close, error_stats
-from kernels.graph import BUILDERS, CapturedDecode, check_invariant
-from kernels.impls import IMPLS, TorchSdpaDecode
-from kernels.reference import reference_decode
-from kernels.results import (
+from diffcheck_kernels.batch import BatchSpec, DecodeShape, capture_metadata, exact_metadata, make_pool, padded_metadata
+from diffcheck_kernels.compare import TOLERANCES, Tolerance, assert_close, error_stats
+from diffcheck_kernels.graph import BUILDERS, CapturedDecode, check_invariant
+from diffcheck_kernels.impls import IMPLS, TorchSdpaDecode
+from diffcheck_kernels.reference import reference_decode
+from diffcheck_kernels.results import (
     BROKEN_BUILDERS,
     CAUGHT,
     PASS,
@@ -36,7 +36,7 @@ from kernels.results import (
     write_json,
     write_parquet,
 )
-from kernels.suite import QUICK, SuiteConfig, run_suite
+from diffcheck_kernels.suite import QUICK, SuiteConfig, run_suite
 
 CPU = torch.device("cpu")
 SMOL = DecodeShape(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
@@ -270,9 +270,9 @@ class TestTritonInterpreted:
     def test_tiny_suite_in_interpreter(self, tmp_path):
         script = textwrap.dedent(f"""
             import json, sys
-            from kernels.batch import BatchSpec
-            from kernels.suite import SuiteConfig, run_suite
-            from kernels.results import overall_ok, write_json
+            from diffcheck_kernels.batch import BatchSpec
+            from diffcheck_kernels.suite import SuiteConfig, run_suite
+            from diffcheck_kernels.results import overall_ok, write_json
             cfg = SuiteConfig(name="tiny", shapes=((4, 2, 32),), block_sizes=(16, 32), dtypes=("float32", "bfloat16"),
                               batches=(BatchSpec("ragged", (17, 40, 1)), BatchSpec("uniform-5", (5, 5))),
                               max_batch=4, max_seq_len=64)

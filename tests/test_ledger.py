@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from diffcheck import ledger
+from diffcheck.storage import ledger
 from diffcheck.errors import DataError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps, Verdict
 
@@ -140,7 +140,8 @@ def test_open_creates_root_and_file(tmp_path):
 
 
 def test_add_records_identity_and_lookup_finds_it(tmp_path, suite_path):
-    from diffcheck import cases, store
+    from diffcheck import cases
+    from diffcheck.storage import store
 
     case = load_case(suite_path, "K")
     run = make_run(case, CLEAN)
@@ -298,7 +299,7 @@ def test_git_state_ignores_what_the_checkout_does_not_own(tmp_path):
 
 
 def test_code_state_does_not_import_vllm():
-    script = ("import sys, json; from diffcheck import ledger; s = ledger.code_state(); "
+    script = ("import sys, json; from diffcheck.storage import ledger; s = ledger.code_state(); "
               "print(json.dumps([s['engine'], 'vllm' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     engine, imported = json.loads(out)

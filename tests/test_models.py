@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffcheck import models
+from diffcheck.engines import models
 from diffcheck.errors import ConfigError, DataError
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffcheck import quality
-from diffcheck.quality import (
+from diffcheck.judging import quality
+from diffcheck.judging.quality import (
     digit_ratio,
     max_digit_run,
     output_hash,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diffcheck import runner, selftest, store
+from diffcheck.pipeline import runner, selftest
+from diffcheck.storage import store
 from diffcheck.types import Verdict
 
 pytestmark = pytest.mark.engine

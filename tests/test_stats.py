@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from diffcheck import stats as S
+from diffcheck.judging import stats as S
 from diffcheck.types import Steps
 
 V, K = 300, 20

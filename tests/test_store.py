@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffcheck import store, store_format
+from diffcheck.storage import store, codec as store_format
 from diffcheck.errors import ConfigError, DataError, LockedError
 from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
 
@@ -234,7 +234,7 @@ def test_zero_token_sequences_have_a_placeholder_row(tmp_path):
 
 
 def test_older_schema_is_refused_with_the_rerecord_command(tmp_path, monkeypatch):
-    from diffcheck import store_format
+    from diffcheck.storage import codec as store_format
 
     path = tmp_path / "default" / "J.parquet"
     monkeypatch.setattr(store_format, "SCHEMA_VERSION", 1)
@@ -374,7 +374,7 @@ def test_listed_but_missing_file_fails_verification(golden):
 
 def test_newer_schema_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "N.parquet"
-    from diffcheck import store_format
+    from diffcheck.storage import codec as store_format
 
     monkeypatch.setattr(store_format, "SCHEMA_VERSION", 3)
     store.write_run(path, make_run())
@@ -407,7 +407,7 @@ CHILD = textwrap.dedent("""
     import sys, time, os
     sys.path.insert(0, {tests!r})
     from test_store import make_run
-    from diffcheck import store, store_format
+    from diffcheck.storage import store, codec as store_format
     path, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     run = make_run((n, 3), k=20, seed=7)
     real_update, real_write = store._update_manifest, store._atomic_write

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from diffcheck.errors import DiffcheckError
-    from diffcheck.models import resolve
+    from diffcheck.engines.models import resolve
 
     try:
         model_path = str(resolve(args.model).path)

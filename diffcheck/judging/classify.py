@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from diffcheck import stats as S
-from diffcheck.align import Alignment, align, check_matched, lengths, segment_rows
+from diffcheck.judging import stats as S
+from diffcheck.judging.align import Alignment, align, check_matched, lengths, segment_rows
 from diffcheck.errors import ConfigError, DataError
 from diffcheck.types import CaseVerdict, Run, SequenceVerdict, Verdict
 
@@ -298,7 +298,7 @@ class _Judge:
         return repr(self.token_text(int(token_id))) if self.token_text else f"#{int(token_id)}"
 
     def ref_metrics(self, i: int) -> dict:
-        from diffcheck.quality import text_metrics  # lazy, like _text_metrics
+        from diffcheck.judging.quality import text_metrics  # lazy, like _text_metrics
 
         info = self.reference.sequences[i]
         return text_metrics(info.text, n_tokens=info.n_tokens)
@@ -527,7 +527,7 @@ def _baselines(reference: Run, candidate: Run, ref: _Layout, cand: _Layout, al: 
 
 
 def _text_metrics(run: Run, diverged: np.ndarray) -> list[dict]:
-    from diffcheck.quality import text_metrics  # lazy: written beside this core, not needed to import it
+    from diffcheck.judging.quality import text_metrics  # lazy: written beside this core, not needed to import it
 
     return [text_metrics(s.text, n_tokens=s.n_tokens) if d else {} for s, d in zip(run.sequences, diverged.tolist())]
 

@@ -2,11 +2,11 @@
 # The GPU lane on the device machine (one NVIDIA H200, no registry), in stages that fit
 # its 10-minute calls. Run from the repository root of the working-tree copy there:
 #
-#   bash goldens/gpu-h200/device-run.sh collect            copy carried bundle files into $HOME/bundle
-#   bash goldens/gpu-h200/device-run.sh install            + install.sh (verify, install, model prepare)
-#   bash goldens/gpu-h200/device-run.sh goldens CASE...    diffcheck golden record --suite gpu-h200 CASE...
-#   bash goldens/gpu-h200/device-run.sh compare CASE...    diffcheck compare CASE --json --html, each
-#   bash goldens/gpu-h200/device-run.sh speed              goldens/gpu-h200/speed.py (the speed table)
+#   bash tools/gpu/device-run.sh collect            copy carried bundle files into $HOME/bundle
+#   bash tools/gpu/device-run.sh install            + install.sh (verify, install, model prepare)
+#   bash tools/gpu/device-run.sh goldens CASE...    diffcheck golden record --suite gpu-h200 CASE...
+#   bash tools/gpu/device-run.sh compare CASE...    diffcheck compare CASE --json --html, each
+#   bash tools/gpu/device-run.sh speed              tools/gpu/speed.py (the speed table)
 #
 # Several stages may be given in one call, separated by '--'. State lives in $HOME
 # (the bundle, the install, the model, the goldens written so far), which survives
@@ -80,7 +80,7 @@ stage() {
       ;;
     speed)
       use_env
-      timed speed python3 goldens/gpu-h200/speed.py --out goldens/gpu-h200/speed.json "$@"
+      timed speed python3 tools/gpu/speed.py --out goldens/gpu-h200/speed.json "$@"
       ;;
     *)
       echo "device-run.sh: unknown stage '$name' (collect, install, goldens, compare, speed)" >&2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, suite_option
 
 
 @click.command(name="run")
@@ -21,7 +21,9 @@ def run(ctx, case_id, suite, goldens, force):
     """
     from rich.console import Console
 
-    from diffcheck import cases, runner, store
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
+    from diffcheck.storage import store
 
     s = cases.load_suite(suite)
     case = cases.get_case(s, case_id)

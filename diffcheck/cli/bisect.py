@@ -2,7 +2,7 @@
 
 Checks everything it can before touching the repository (the suite, the case,
 its goldens, the revisions, a clean work tree), then hands over to
-`diffcheck.bisect.run_bisect` and renders its result: the first bad commit with
+`diffcheck.pipeline.bisect.run_bisect` and renders its result: the first bad commit with
 subject and diffstat, the per-commit verdict table, the engine runs it took.
 
 Exit codes: 0 a first bad commit was found, 2 usage error, 3 the bisect could
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, suite_option
 
 
 def _short(text: str, width: int) -> str:
@@ -79,12 +79,12 @@ def bisect(ctx, case_id, repo, good, bad, build, suite, goldens, strict, step_cm
     """
     from pathlib import Path
 
-    from diffcheck import bisect as bisecting
+    from diffcheck.pipeline import bisect as bisecting
 
     plan = bisecting.prepare(case_id, repo=repo, good=good, bad=bad, suite=suite, goldens=goldens, build=build,
                              strict=strict, verbose=bool((ctx.obj or {}).get("verbose")), step_cmd=step_cmd)
     result = bisecting.run_bisect(plan, echo=click.echo)
-    from diffcheck.ledger import FILENAME
+    from diffcheck.storage.ledger import FILENAME
 
     for line in render(result, ledger_path=Path(plan.root) / FILENAME):
         click.echo(line)

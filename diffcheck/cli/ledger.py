@@ -1,6 +1,6 @@
 """`diffcheck ledger`: every recorded run, grouped by identical output.
 
-Reads ``<goldens root>/ledger.sqlite`` (see `diffcheck.ledger`); never runs an
+Reads ``<goldens root>/ledger.sqlite`` (see `diffcheck.storage.ledger`); never runs an
 engine. Each group is one output content digest: the cases in a group produced
 exactly the same tokens and logprobs (the seed log's "same bad hash as E").
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option
+from diffcheck.cli.common import goldens_option
 
 
 def _row(entry) -> dict:
@@ -51,8 +51,8 @@ def ledger(goldens, suite, case_id, as_json):
     """
     import json
 
-    from diffcheck import ledger as ledgermod
-    from diffcheck import runner
+    from diffcheck.storage import ledger as ledgermod
+    from diffcheck.pipeline import runner
     from diffcheck.errors import DataError
 
     root = runner.goldens_root(goldens)

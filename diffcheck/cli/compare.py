@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, suite_option
 
 
 def exit_code(verdict, *, strict: bool, bisect_codes: bool) -> int:
@@ -20,7 +20,8 @@ def exit_code(verdict, *, strict: bool, bisect_codes: bool) -> int:
 
 def report_input(comparison, suite, case_id, meta):
     """Token strings of both sides for the HTML report (tokenizer when available)."""
-    from diffcheck import cases, runner
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
     from diffcheck.report import ReportInput, SequenceTexts
 
     texts = {}
@@ -66,7 +67,9 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
 
     from rich.console import Console
 
-    from diffcheck import cases, ledger, runner, store
+    from diffcheck import cases
+    from diffcheck.storage import ledger, store
+    from diffcheck.pipeline import runner
     from diffcheck.errors import DiffcheckError
     from diffcheck.report import render_divergence, render_table, worst_sequence, write_html, write_json, write_junit
 

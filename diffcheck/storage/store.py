@@ -54,9 +54,9 @@ from typing import Iterator
 
 import blake3
 
-from diffcheck import store_format as _format
+from diffcheck.storage import codec as _format
 from diffcheck.errors import ConfigError, DataError, LockedError
-from diffcheck.store_format import (  # noqa: F401  (the public API lives here too)
+from diffcheck.storage.codec import (  # noqa: F401  (the public API lives here too)
     LOGPROB_MANTISSA_BITS, SCHEMA_VERSION, content_digest, output_digest, quantize, quantize_logprobs)
 from diffcheck.types import Run, RunMeta
 

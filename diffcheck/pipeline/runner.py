@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from diffcheck import cases as casesmod
-from diffcheck import store
+from diffcheck.storage import store
 from diffcheck.errors import DataError, DiffcheckError, EngineError
 from diffcheck.types import CaseVerdict, Run, Verdict
 
@@ -31,7 +31,7 @@ def goldens_root(root: str | Path | None = None) -> Path:
 
 def open_engine(case, *, verbose: bool = False):
     """Start the engine a case asks for (only vLLM offline today)."""
-    from diffcheck import models
+    from diffcheck.engines import models
     from diffcheck.engines.vllm_offline import VllmOffline
 
     model = models.resolve(case.model)
@@ -45,7 +45,7 @@ def _with_config(run: Run, case) -> Run:
 
 
 def _ledger(root: Path):
-    from diffcheck import ledger
+    from diffcheck.storage import ledger
 
     return ledger.Ledger.open(root)
 
@@ -70,7 +70,7 @@ def golden_up_to_date(path: Path, case) -> str | None:
         meta = store.read_meta(path)
     except DataError:
         return None  # unreadable (older schema, damaged): record_golden decides what to do
-    from diffcheck import models
+    from diffcheck.engines import models
 
     from diffcheck.engines.vllm_offline import vllm_source_state  # does not import vllm
 
@@ -204,7 +204,7 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     led = _ledger(root)
     run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
     forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
-    from diffcheck import ledger
+    from diffcheck.storage import ledger
 
     key = ledger.key_for(case, goldens=goldens)
     if not force:
@@ -285,7 +285,7 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, pool: EnginePool | None = None) -> Comparison:
-    from diffcheck import classify
+    from diffcheck.judging import classify
 
     case = casesmod.get_case(suite, case_id)
     references = list(case.references)
@@ -337,7 +337,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
 
 def with_quality(verdict: CaseVerdict, candidate: Run) -> CaseVerdict:
     """Fill in the seed's text metrics the classifier skipped (identical sequences), for reports."""
-    from diffcheck.quality import text_metrics
+    from diffcheck.judging.quality import text_metrics
 
     seqs = tuple(s if s.quality else dataclasses.replace(
         s, quality=text_metrics(candidate.sequences[s.index].text, candidate.sequences[s.index].n_tokens))
@@ -353,7 +353,7 @@ def load_tokenizer(case) -> Any | None:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str) -> Any | None:
     try:
-        from diffcheck import models
+        from diffcheck.engines import models
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(models.resolve(model).path))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def measure(case, golden, *, repeats: int) -> dict:
-    from diffcheck import runner
+    from diffcheck.pipeline import runner
 
     with runner.open_engine(case) as engine:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
@@ -51,7 +51,8 @@ def measure(case, golden, *, repeats: int) -> dict:
 
 
 def main() -> int:
-    from diffcheck import cases, runner
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, suite_option
 
 
 @click.group(name="golden")
@@ -26,7 +26,8 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
 
     from rich.console import Console
 
-    from diffcheck import cases, runner
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
 
     s = cases.load_suite(suite)
     ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
@@ -57,7 +58,8 @@ def verify(suite, goldens):
     """Check every golden's blake3 digest and schema."""
     from pathlib import Path
 
-    from diffcheck import runner, store
+    from diffcheck.pipeline import runner
+    from diffcheck.storage import store
     from diffcheck.errors import DataError
 
     from diffcheck import cases
@@ -91,7 +93,10 @@ def show(case_id, suite, goldens, kind):
     from rich.console import Console
     from rich.table import Table
 
-    from diffcheck import cases, quality, runner, store
+    from diffcheck import cases
+    from diffcheck.judging import quality
+    from diffcheck.pipeline import runner
+    from diffcheck.storage import store
 
     root = runner.goldens_root(goldens)
     path = store.run_path(root, cases.load_suite(suite).name, case_id, kind="generate", role="candidate" if kind == "run" else "reference")

@@ -18,16 +18,15 @@ from diffcheck import __version__
 from diffcheck.errors import DiffcheckError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "cases": ("diffcheck.commands.cases", "Inspect and validate case suites."),
-    "model": ("diffcheck.commands.model", "Prepare models (registry package -> safetensors)."),
-    "golden": ("diffcheck.commands.golden", "Record, verify and show reference goldens."),
-    "run": ("diffcheck.commands.run", "Record one case's run beside the goldens."),
-    "compare": ("diffcheck.commands.compare", "Judge a candidate against its reference goldens."),
-    "selftest": ("diffcheck.commands.selftest", "Prove the verdicts on labelled faulty and benign cases."),
-    "ledger": ("diffcheck.commands.ledger", "List recorded runs, grouped by identical output."),
-    "bisect": ("diffcheck.commands.bisect", "Find the commit that broke a case (git bisect run)."),
-    "kernels": ("diffcheck.commands.kernels", "Kernel-level decode-attention checks, graph replay included."),
-    "bundle": ("diffcheck.commands.bundle", "Build an offline bundle for an air-gapped GPU machine."),
+    "cases": ("diffcheck.cli.cases", "Inspect and validate case suites."),
+    "model": ("diffcheck.cli.model", "Prepare models (registry package -> safetensors)."),
+    "golden": ("diffcheck.cli.golden", "Record, verify and show reference goldens."),
+    "run": ("diffcheck.cli.run", "Record one case's run beside the goldens."),
+    "compare": ("diffcheck.cli.compare", "Judge a candidate against its reference goldens."),
+    "selftest": ("diffcheck.cli.selftest", "Prove the verdicts on labelled faulty and benign cases."),
+    "ledger": ("diffcheck.cli.ledger", "List recorded runs, grouped by identical output."),
+    "bisect": ("diffcheck.cli.bisect", "Find the commit that broke a case (git bisect run)."),
+    "kernels": ("diffcheck.cli.kernels", "Kernel-level decode-attention checks, graph replay included."),
 }
 
 
@@ -89,5 +88,3 @@ def main(argv=None) -> int:
     return rv if isinstance(rv, int) else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

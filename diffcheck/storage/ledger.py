@@ -221,7 +221,8 @@ def _digest(value: Any) -> str:
 def key_for(case, *, goldens: dict[str, Run] | None = None, state: dict[str, Any] | None = None) -> str:
     """The identity of running `case` now: config, code, model, and the goldens it is replayed along."""
     from diffcheck import cases as casesmod
-    from diffcheck import models, store
+    from diffcheck.engines import models
+    from diffcheck.storage import store
 
     payload = {
         "config": casesmod.config_digest(case),
@@ -284,7 +285,7 @@ class Ledger:
     def add(self, run: Run, *, path: str | Path, case, key: str | None = None) -> Entry:
         """Record a run that an engine actually executed; returns its entry."""
         from diffcheck import cases as casesmod
-        from diffcheck import store
+        from diffcheck.storage import store
 
         state = code_state()
         if key is None:
@@ -327,7 +328,7 @@ class Ledger:
         Returns the updated entry, or None when the ledger has no such run (an
         engine failure leaves no run: ``run`` is None then).
         """
-        from diffcheck import store
+        from diffcheck.storage import store
 
         if run is None:
             return None

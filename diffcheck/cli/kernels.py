@@ -45,7 +45,7 @@ def kernels(device, out_dir, update, suite_name, kernel_names, json_path, from_j
     """
     from rich.console import Console
 
-    from kernels import results as res
+    from diffcheck_kernels import results as res
 
     console = Console(width=None if Console().is_terminal else 160)
     if from_json is not None:
@@ -89,7 +89,7 @@ def kernels(device, out_dir, update, suite_name, kernel_names, json_path, from_j
 
 
 def _run(device: str, suite_name: str, kernel_names: str, console):
-    from kernels.suite import CONFIGS, run_suite
+    from diffcheck_kernels.suite import CONFIGS, run_suite
 
     names = tuple(k.strip() for k in kernel_names.split(",") if k.strip()) or None
     try:
@@ -104,7 +104,7 @@ def _print(console, result, comparison, *, all_rows: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kernels.table import COLUMNS, summarize, verdict_line
+    from diffcheck_kernels.table import COLUMNS, summarize, verdict_line
 
     styles = {"PASS": "green", "CAUGHT": "green", "MISSED": "bold red"}
     env = result.env

@@ -1,1 +1,0 @@
-"""One module per CLI command; each defines a click object named like the command."""
