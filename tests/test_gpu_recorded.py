@@ -1,70 +1,102 @@
-"""The H200 run, re-judged offline: `diffcheck compare ID --suite gpu-h200 --run goldens/gpu-h200/ID.run.parquet`.
+"""The H200 run, re-judged offline: `diffcheck compare ID --suite gpu-h200 --run FILE`.
 
-The goldens, candidate runs and forced replays under goldens/gpu-h200/ were recorded on
-one NVIDIA H200 with vLLM 0.26 (docs-gpu.md has the commands). CI has no GPU, so it
-re-judges those files with no engine and asserts each candidate's expected verdict
-(cases/gpu-h200.toml ``expect``): the clean FULL-decode-graph candidates are not
-GIBBERISH, H (seq-lens-copy under a FULL graph) is GIBBERISH with its onset at the
-first decode steps, HE (the same fault in eager mode) is clean.
+The goldens, candidate runs and forced/scored files under goldens/gpu-h200/ were
+recorded on one NVIDIA H200 with vLLM 0.26 (docs/gpu.md has the commands); the noise
+floor of J there is F, the same reference under FLASH_ATTN (`J.floor-flash-attn`).
+CI has no GPU: these tests re-judge the recorded files with no engine, in a copy of
+the folder (nothing is written into the checkout), and assert every sequence's
+verdict and onset, not only the case's:
+
+- O and L (clean FULL decode graphs) and HE (the fault, hidden by eager mode) pass;
+- H (seq-lens-copy under a FULL graph) is GIBBERISH from decode step 1-2 in every
+  sequence, with its forced/scored files and from its generate run alone.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from diffcheck import cases
-from diffcheck.storage import store
 from diffcheck.cli import main
 from diffcheck.errors import ConfigError
+from diffcheck.judging.policy import exit_code
+from diffcheck.storage import store
 from diffcheck.types import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = cases.load_suite(ROOT / "cases" / "gpu-h200.toml")
 GOLDENS = ROOT / "goldens" / SUITE.name
-# OF (FULL decode graph on FLASH_ATTN) was started on the H200 but the session's device time ran
-# out before it finished (docs-gpu.md); every other candidate of the suite was recorded.
+# OF (FULL decode graph on FLASH_ATTN) was started on the H200 but the session's device
+# time ran out before it finished; every other candidate of the suite was recorded.
 NOT_RECORDED = {"OF": "device time ran out during its run"}
 CANDIDATES = sorted(cid for cid, case in SUITE.cases.items() if case.role == "candidate" and cid not in NOT_RECORDED)
+PASSING = {"IDENTICAL", "BENIGN_DRIFT"}
 
 
-_JUDGED: dict[str, tuple[int, dict]] = {}
+@pytest.fixture(scope="module")
+def goldens_copy(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("goldens")
+    shutil.copytree(GOLDENS, root / SUITE.name)
+    return root
 
 
-def judge(cid: str, tmp_path: Path, monkeypatch) -> tuple[int, dict]:
-    """Exit code and JSON report of the documented offline command (once per candidate)."""
-    if cid not in _JUDGED:
-        run_file = GOLDENS / f"{cid}.run.parquet"
-        assert run_file.is_file(), f"{run_file} is missing: record it on the GPU (docs-gpu.md)"
-        report = tmp_path / f"{cid}.json"
-        monkeypatch.chdir(ROOT)  # goldens root "goldens", as in the documented command
-        code = main(["compare", cid, "--suite", SUITE.name, "--run", str(run_file.relative_to(ROOT)),
-                     "--json", str(report)])
-        _JUDGED[cid] = (code, json.loads(report.read_text()))
-    return _JUDGED[cid]
+def judge(root: Path, cid: str, tmp_path: Path, *, generate_only: bool = False) -> tuple[int, dict]:
+    """Exit code and JSON report of the documented offline command."""
+    folder = root / SUITE.name
+    if generate_only:  # the run alone, as a run recorded elsewhere would come
+        folder = tmp_path / "alone" / SUITE.name
+        folder.mkdir(parents=True)
+        for name in (f"{cid}.run.parquet", "J.parquet", "J.floor-flash-attn.parquet"):
+            shutil.copy(root / SUITE.name / name, folder / name)
+    run_file = folder / f"{cid}.run.parquet"
+    report = tmp_path / f"{cid}.json"
+    code = main(["compare", cid, "--suite", str(ROOT / "cases" / "gpu-h200.toml"), "--goldens", str(folder.parent),
+                 "--run", str(run_file), "--json", str(report)])
+    return code, json.loads(report.read_text())
+
+
+def sequences(report: dict) -> list[dict]:
+    return [s for c in report["cases"] for s in c["sequences"]]
+
+
+@pytest.mark.parametrize("cid", ["O", "L", "HE"])
+def test_clean_candidates_pass_in_every_sequence(cid, goldens_copy, tmp_path):
+    code, report = judge(goldens_copy, cid, tmp_path)
+    verdicts = [s["verdict"] for s in sequences(report)]
+    assert len(verdicts) == 4 and set(verdicts) <= PASSING, verdicts
+    assert code == 0
+
+
+@pytest.mark.parametrize("generate_only", [False, True], ids=["with-forced-and-scored", "generate-only"])
+def test_the_fault_is_gibberish_from_the_first_decode_steps(generate_only, goldens_copy, tmp_path):
+    code, report = judge(goldens_copy, "H", tmp_path, generate_only=generate_only)
+    seqs = sequences(report)
+    assert len(seqs) == 4
+    assert [s["verdict"] for s in seqs] == ["GIBBERISH"] * 4
+    assert all(s["onset"] in (1, 2) for s in seqs), [s["onset"] for s in seqs]
+    assert code == exit_code(Verdict.GIBBERISH) == 1
 
 
 @pytest.mark.parametrize("cid", CANDIDATES)
-def test_candidate_gets_its_expected_verdict(cid, tmp_path, monkeypatch):
-    code, report = judge(cid, tmp_path, monkeypatch)
-    case = SUITE.cases[cid]
+def test_candidate_gets_its_label(cid, goldens_copy, tmp_path):
+    code, report = judge(goldens_copy, cid, tmp_path)
     verdict = Verdict[report["verdict"]]
-    onsets = [s["onset"] for c in report["cases"] for s in c["sequences"] if s.get("onset") is not None]
-    onset = min(onsets) if onsets else None
+    onsets = [s["onset"] for s in sequences(report) if s.get("onset") is not None]
+    case = SUITE.cases[cid]
     assert case.expect is not None, f"case {cid} has no expect in cases/gpu-h200.toml"
-    assert case.expect.matches(verdict, onset), f"{cid}: {verdict.name} onset {onset}, expected {case.expect}"
-    assert verdict is not Verdict.ERROR
-    assert code == (1 if verdict is Verdict.GIBBERISH else 0)
+    assert case.expect.matches(verdict, min(onsets) if onsets else None), (cid, verdict, onsets)
+    assert code == exit_code(verdict)
 
 
-def test_fault_is_located_by_forced_replay_at_the_first_decode_steps(tmp_path, monkeypatch):
-    _code, report = judge("H", tmp_path, monkeypatch)
-    sequences = [s for c in report["cases"] for s in c["sequences"]]
-    assert sequences and all(s["verdict"] == "GIBBERISH" for s in sequences)
-    assert all(s["onset"] is not None and s["onset"] <= 16 for s in sequences)
-    assert any("forced replay" in line for s in sequences for line in s.get("evidence", []))
+def test_the_checkout_is_left_alone(goldens_copy, tmp_path):
+    before = {p.name: p.stat().st_mtime_ns for p in GOLDENS.iterdir()}
+    judge(goldens_copy, "O", tmp_path)
+    assert {p.name: p.stat().st_mtime_ns for p in GOLDENS.iterdir()} == before
+    assert (goldens_copy / "ledger.sqlite").exists()
 
 
 def test_every_recorded_candidate_is_judged_here():

@@ -39,7 +39,7 @@ from diffcheck.types import ROLES, Verdict
 
 DEFAULT_SUITE = "default"
 RESET = "default"  # the value that resets an inherited sampling/engine key
-EXPECTABLE = ("IDENTICAL", "BENIGN_DRIFT", "NUMERIC_DRIFT", "GIBBERISH")
+EXPECTABLE = ("IDENTICAL", "BENIGN_DRIFT", "WITHIN_BUDGET", "DEGRADED", "GIBBERISH")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")

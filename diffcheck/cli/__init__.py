@@ -10,7 +10,6 @@ keeps its traceback.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import click
 
@@ -21,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cases": ("diffcheck.cli.cases", "Inspect and validate case suites."),
     "model": ("diffcheck.cli.model", "Prepare models (registry package -> safetensors)."),
     "golden": ("diffcheck.cli.golden", "Record, verify and show reference goldens."),
+    "calibrate": ("diffcheck.cli.calibrate", "Measure each reference's noise floor (replicas along its golden)."),
     "run": ("diffcheck.cli.run", "Record one case's run beside the goldens."),
     "compare": ("diffcheck.cli.compare", "Judge a candidate against its reference goldens."),
     "selftest": ("diffcheck.cli.selftest", "Prove the verdicts on labelled faulty and benign cases."),

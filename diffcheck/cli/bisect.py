@@ -64,7 +64,7 @@ def render(result, *, ledger_path) -> list[str]:
               help="Shell command run in the repository at each commit; failure skips the commit (125).")
 @suite_option
 @goldens_option
-@click.option("--strict", is_flag=True, help="NUMERIC_DRIFT counts as bad too.")
+@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as bad too.")
 @click.option("--step-cmd", default=None, hidden=True,
               help="Tests only: a shell command used instead of `diffcheck compare` (same exit codes).")
 @click.pass_context

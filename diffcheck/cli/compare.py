@@ -7,17 +7,6 @@ import click
 from diffcheck.cli.common import goldens_option, suite_option
 
 
-def exit_code(verdict, *, strict: bool, bisect_codes: bool) -> int:
-    from diffcheck.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION
-    from diffcheck.types import Verdict
-
-    if verdict is Verdict.ERROR:
-        return EXIT_BISECT_SKIP if bisect_codes else EXIT_ENGINE
-    if verdict is Verdict.GIBBERISH or (strict and verdict is Verdict.NUMERIC_DRIFT):
-        return EXIT_REGRESSION
-    return EXIT_PASS
-
-
 def report_input(comparison, suite, case_id, meta):
     """Token strings of both sides for the HTML report (tokenizer when available)."""
     from diffcheck import cases
@@ -53,15 +42,22 @@ def _decoded(tok, run, index):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write a JSON report.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="Write a JUnit XML report.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write a self-contained HTML report.")
-@click.option("--strict", is_flag=True, help="NUMERIC_DRIFT fails (exit 1) too.")
+@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost inside its budget) fails (exit 1) too.")
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
 @click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
 @click.pass_context
 def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes):
     """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
 
-    Exit 0 when every sequence is IDENTICAL or BENIGN_DRIFT (NUMERIC_DRIFT too unless
-    --strict), 1 on GIBBERISH, 3 on engine failure (125 with --bisect-codes).
+    Exit 0 when every sequence is IDENTICAL, BENIGN_DRIFT or WITHIN_BUDGET (not the last
+    with --strict); 1 on DEGRADED or GIBBERISH; 3 on engine failure (125 with
+    --bisect-codes); 2 on bad input.
+
+    \b
+    Examples:
+      diffcheck compare O                       run O, judge it against its references
+      diffcheck compare O --html o.html         ... and write a self-contained report
+      diffcheck compare H --run goldens/gpu-h200/H.run.parquet   re-judge a recorded run
     """
     from pathlib import Path
 
@@ -114,4 +110,6 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     for p in (json_path, junit_path, html_path):
         if p:
             click.echo(f"wrote {p}")
+    from diffcheck.judging.policy import exit_code
+
     return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes)

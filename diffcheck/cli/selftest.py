@@ -11,7 +11,7 @@ from diffcheck.cli.common import goldens_option, suite_option
 @suite_option
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these labelled cases (repeatable).")
-@click.option("--strict", is_flag=True, help="NUMERIC_DRIFT counts as flagged.")
+@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as flagged too.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write outcomes as JSON.")
 @click.pass_context
 def selftest(ctx, suite, goldens, case_ids, strict, json_path):
@@ -43,6 +43,8 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     refs = sorted({r for c in chosen for r in c.references})
     outcomes = []
     t0 = time.perf_counter()
+    n_prompts = {c.id: len(cases.load_prompts(c)) for c in chosen}
+    n_tests = sum(n_prompts[c.id] * len(c.references) for c in chosen)  # every sequence judged in this run
     with console.status("selftest") as status, runner.EnginePool(verbose=verbose) as pool:
         def echo(msg):
             status.update(msg)
@@ -53,7 +55,8 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
                 runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, pool=pool)
         for n, case in enumerate(chosen, 1):
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
-            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo, pool=pool)
+            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo, pool=pool,
+                                        tests=n_tests)
             for v in comparison.verdicts:
                 outcomes.append(st.outcome(case, v, strict=strict))
     table = Table("case", "vs", "expected", "verdict", "onset", "onset err", "diffcheck", "exact match",
@@ -68,7 +71,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     out.print(table)
     conf = st.confusion(outcomes)
     ctable = Table("detector", *(f"flagged: {c}s" if c != "benign" else "flagged: benign variants" for c in st.CLASSES),
-                   title="what each rule calls broken (gibberish faults should be flagged, benign variants not)")
+                   title="what each rule calls broken (faults should be flagged; precision and benign variants not)")
     for d, row in conf.items():
         ctable.add_row(d, *(row[c] for c in st.CLASSES))
     out.print(ctable)

@@ -37,37 +37,51 @@ path; only the others are judged one by one (`_Judge`).
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import numpy as np
 
+from diffcheck.errors import ConfigError, DataError
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import Alignment, align, check_matched, lengths, segment_rows
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.judging.decision import Budget, decide, far_step_threshold, margins
+from diffcheck.judging.floor import Floor, spec_change
 from diffcheck.types import CaseVerdict, Run, SequenceVerdict, Verdict
 
-_FRACTIONS = ("beyond_fraction", "persist_fraction")
+_FRACTIONS = ("persist_fraction", "alpha", "beta")
 
 
 @dataclass(frozen=True)
 class Tolerances:
-    """Every threshold of the classifier, in nats unless noted. Built from a case's
-    ``[tolerances]`` table with `from_dict`; ``inf`` disables a limit."""
+    """Every knob of the judge, in nats unless noted. Built from a case's
+    ``[tolerances]`` table with `from_dict`; ``inf`` disables a limit.
 
-    # Same-context closeness (reference vs candidate before t*, reference vs forced).
-    # Same-dtype kernel or graph changes give mean KL ~1e-5..1e-3; llama.cpp reports
-    # ~1e-3 for 8-bit and >1e-2 for 4-bit weights, so 0.01 flags quantization-sized drift.
-    kl_mean: float = 0.01
-    kl_step: float = 0.1  # one step's KL beyond this marks the step
-    dlogprob_step: float = 0.5  # one step's |Δlogprob| of the shared token beyond this marks it
-    beyond_fraction: float = 0.01  # marked steps allowed, as a fraction of the steps compared
-    # Benign divergence at t*. Under temperature-1 sampling a token 1.5 nats below the
-    # other is still drawn ~20% as often: a flip there is a coin toss, not a fault.
-    benign_margin: float = 1.5
-    benign_topn: int = 20  # each token must be in the other side's top-N (cut to the K stored)
-    benign_nll_margin: float = 1.0  # continuation's mean reference NLL may exceed the reference's own by this
+    The floor decision (`decision`) needs no threshold table: margins come from the
+    reference's measured noise floor. These fields say how sure a verdict must be,
+    what diffcheck claims to resolve at all, and what a precision change may cost.
+    """
+
+    # The statistical decision (see `decision`).
+    alpha: float = 0.05  # false-alarm rate per comparison, split over the sequences judged at once
+    beta: float = 0.2  # 1 - power, for the minimum detectable effect reported beside each verdict
+    floor_factor: float = 4.0  # margin = this x the largest per-sequence value seen under benign variation
+    # Below these, diffcheck does not tell two distributions apart, whatever the floor says:
+    # llama.cpp measures ~5e-4 nats mean KL for merely storing weights in f16, and the
+    # stored logprob codes carry ~1% relative rounding.
+    kl_resolution: float = 1e-3
+    loss_resolution: float = 0.02
+    # One same-context step (before or at t*) this far beyond the floor's largest step is
+    # not noise: far_factor x the floor's largest step KL, and at least far_kl.
+    far_factor: float = 10.0
+    far_kl: float = 0.1
+    # Precision budget of a spec-changing candidate (dtype, KV-cache dtype, quantization,
+    # model): its mean KL and mean loss per step may reach this. nan = the default of the
+    # changed keys (`BUDGETS`).
+    budget_kl: float = math.nan
+    budget_loss: float = math.nan
     # Gibberish: CUSUM over the reference NLL of the candidate's tokens. A healthy
     # continuation sits near the reference's own NLL (~1.4 nats/token for SmolLM2),
     # random tokens score ~14. An allowance of 3 nats, an alarm at 15 accumulated nats
@@ -83,18 +97,24 @@ class Tolerances:
     persist_window: int = 8
     persist_fraction: float = 0.75
     # Forced replay. A clean FULL graph replays the eager reference with |Δ| ~0; the seed's
-    # stale-metadata fault moved the reference token by > 1 nat from its first decode
-    # steps, 6-7 nats on average (vllm-facts.md).
+    # stale-metadata bug moved the reference token by > 1 nat from its first decode
+    # steps, 6-7 nats on average.
     forced_dlogprob: float = 1.0  # |Δlogprob| of the reference token that marks a forced step
     forced_kl: float = 1.0  # KL that marks a forced step
     forced_gibberish_dlogprob: float = 3.0  # mean |Δlogprob| after onset that is corruption on its own
+    # Repetition loops: the candidate repeats earlier 4-grams persistently, the reference does not.
+    loop_ngram: int = 4
+    loop_excess: float = 0.3  # repeated fraction after the onset beyond the reference's own
     # Text metrics (the seed's log: clean runs had digit_ratio <= 0.02, bad ones >= 0.13).
     digit_ratio_max: float = 0.1
     digit_ratio_excess: float = 0.05  # ...and this much above the reference's own text
+    symbol_ratio_max: float = 0.3
+    symbol_ratio_excess: float = 0.15
     weird_runs_excess: float = 0.0  # weird runs allowed beyond the reference's
     repeated_num_runs_excess: float = 0.0  # repeated number runs allowed beyond the reference's
-    # vLLM's check_logprobs_close baseline: top-N membership at the first mismatch
-    # (N=5 in vLLM's common model tests).
+    # Evidence only: top-N membership shown at t*, and vLLM's check_logprobs_close
+    # baseline (N=5 in vLLM's common model tests).
+    benign_topn: int = 20
     baseline_topn: int = 5
 
     @classmethod
@@ -107,6 +127,28 @@ class Tolerances:
                 raise ConfigError(f"{source}: unknown tolerance {key!r}; valid: {', '.join(kinds)}")
             values[key] = _tolerance_value(f"{source}: tolerances.{key}", key, value, kinds[key])
         return cls(**values)
+
+
+# Default precision budgets per changed spec key (mean KL, mean loss per step), summed
+# over the keys a candidate changes. Measured on the default suite (docs/verdicts.md):
+# bf16 costs ~1e-3, an fp8 KV cache 0.03-0.1; a lost attention head 0.2-0.4, which is
+# why the KV-cache budget stops at 0.15.
+BUDGETS: dict[str, Budget] = {
+    "dtype": Budget(kl=0.05, loss=0.05),
+    "kv_cache_dtype": Budget(kl=0.15, loss=0.15),
+    "quantization": Budget(kl=0.15, loss=0.15),
+    "model": Budget(kl=0.5, loss=0.5),
+}
+
+
+def budget_for(change: dict[str, Any], tol: Tolerances) -> Budget | None:
+    """The budget of a spec change (None when the precision spec is the same)."""
+    if not change:
+        return None
+    kl = sum(BUDGETS[k].kl for k in change if k in BUDGETS)
+    loss = sum(BUDGETS[k].loss for k in change if k in BUDGETS)
+    return Budget(kl=tol.budget_kl if tol.budget_kl == tol.budget_kl else kl,
+                  loss=tol.budget_loss if tol.budget_loss == tol.budget_loss else loss)
 
 
 def _tolerance_value(where: str, key: str, value: Any, kind: type) -> float | int:
@@ -150,61 +192,62 @@ class _Aggregate:
     n: np.ndarray
     kl_mean: np.ndarray
     kl_max: np.ndarray
+    loss_mean: np.ndarray  # -mean Δlogprob of the reference token
     same_top1: np.ndarray
     dp_rms: np.ndarray
     dlogprob_abs_max: np.ndarray
-    n_beyond: np.ndarray
-    first_beyond: np.ndarray  # local step, -1 where none
-    ok: np.ndarray
-    n_departed: np.ndarray  # steps past the (looser) departure marks of `_departure`
+    n_far: np.ndarray  # steps with KL beyond the far threshold
+    first_far: np.ndarray  # local step, -1 where none
+    ok: np.ndarray  # plainly within the floor: estimates at or below the margins, no far step
+    n_departed: np.ndarray  # steps past the departure marks of `_departure`
 
     def table(self, prefix: str = "") -> list[dict[str, Any]]:
         """The per-sequence stats dicts, built from Python lists in one go (this runs
         for every sequence, identical ones included)."""
-        names = ("n", "kl_mean", "kl_max", "same_top1", "dp_rms", "dlogprob_abs_max", "n_beyond")
+        names = ("n", "kl_mean", "kl_max", "loss_mean", "same_top1", "dp_rms", "dlogprob_abs_max", "n_far")
         columns = [getattr(self, name).tolist() for name in names]
-        firsts = [f if f >= 0 else None for f in self.first_beyond.tolist()]
-        keys = [prefix + name for name in names] + [prefix + "first_beyond"]
+        firsts = [f if f >= 0 else None for f in self.first_far.tolist()]
+        keys = [prefix + name for name in names] + [prefix + "first_far"]
         return [dict(zip(keys, row)) for row in zip(*columns, firsts)]
 
 
-def _beyond(st: S.StepStats, tol: Tolerances) -> tuple[np.ndarray, np.ndarray]:
-    absd = np.abs(st.dlogprob)
-    return (st.kl > tol.kl_step) | (absd > tol.dlogprob_step), absd
+@dataclass(frozen=True)
+class _Limits:
+    """The floor turned into numbers for one comparison."""
+
+    floor: Floor
+    kl_margin: float
+    loss_margin: float
+    far: float  # a single step's KL beyond this is far outside anything benign
+
+    @staticmethod
+    def of(floor: Floor, tol: Tolerances) -> "_Limits":
+        m_kl, m_loss = margins(floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
+                               loss_resolution=tol.loss_resolution)
+        return _Limits(floor, m_kl, m_loss, far_step_threshold(floor, far_factor=tol.far_factor, far_kl=tol.far_kl))
 
 
-def _aggregate(st: S.StepStats, off: np.ndarray, tol: Tolerances) -> _Aggregate:
+def _aggregate(st: S.StepStats, off: np.ndarray, tol: Tolerances, lim: _Limits) -> _Aggregate:
     n = np.diff(off)
     safe = np.maximum(n, 1)
-    beyond, absd = _beyond(st, tol)
+    absd = np.abs(st.dlogprob)
+    far = st.kl > lim.far
     kl_mean = S.segment_sum(st.kl, off) / safe
-    n_beyond = S.segment_sum(beyond, off)
+    loss_mean = -S.segment_sum(st.dlogprob, off) / safe
+    n_far = S.segment_sum(far, off).astype(np.int64)
     return _Aggregate(
         n=n,
         kl_mean=kl_mean,
         kl_max=S.segment_max(st.kl, off, empty=0.0),
+        loss_mean=loss_mean,
         same_top1=S.segment_sum(st.top1, off) / safe,
         dp_rms=np.sqrt(S.segment_sum(st.dp * st.dp, off) / safe),
         dlogprob_abs_max=S.segment_max(absd, off, empty=0.0),
-        n_beyond=n_beyond.astype(np.int64),
-        first_beyond=S.segment_first(beyond, off),
-        ok=(kl_mean <= tol.kl_mean) & (n_beyond <= tol.beyond_fraction * n),
+        n_far=n_far,
+        first_far=S.segment_first(far, off),
+        ok=(kl_mean <= lim.kl_margin) & (loss_mean <= lim.loss_margin) & (n_far == 0),
         n_departed=S.segment_sum(_departed(st, absd, tol), off),
     )
-
-
-def _closeness_text(what: str, st: S.StepStats, agg: _Aggregate, i: int, tol: Tolerances) -> tuple[str, int]:
-    """Where one sequence's same-context steps are beyond tolerance, for a kernel
-    engineer; and the worst step (largest excess over either per-step tolerance)."""
-    score = np.maximum(st.kl / max(tol.kl_step, 1e-12), np.abs(st.dlogprob) / max(tol.dlogprob_step, 1e-12))
-    worst = int(np.argmax(score))
-    first = int(agg.first_beyond[i])
-    where = f", first at step {first}" if first >= 0 else ""
-    return (
-        f"{what}: mean KL {agg.kl_mean[i]:.3g} (tolerance {tol.kl_mean:g}), {int(agg.n_beyond[i])} of "
-        f"{int(agg.n[i])} steps beyond KL {tol.kl_step:g} or |Δlogprob| {tol.dlogprob_step:g}{where}; "
-        f"worst step {worst}: KL {st.kl[worst]:.3g}, Δlogprob {st.dlogprob[worst]:+.2f}"
-    ), worst
 
 
 # --- gibberish signals ----------------------------------------------------------
@@ -224,7 +267,7 @@ def _departed(st: S.StepStats, absd: np.ndarray, tol: Tolerances) -> np.ndarray:
 
 
 def _departure(st: S.StepStats, tol: Tolerances, *, what: str, name: str, trigger_ok: bool) -> _Signal | None:
-    """Persistent departure of same-context distributions (forced path, or before t*)."""
+    """Persistent, strong departure of same-context distributions (forced path, or before t*)."""
     absd = np.abs(st.dlogprob)
     marked = _departed(st, absd, tol)
     onset = S.persistent_onset(marked, window=tol.persist_window, fraction=tol.persist_fraction)
@@ -240,16 +283,35 @@ def _departure(st: S.StepStats, tol: Tolerances, *, what: str, name: str, trigge
 
 
 def _text_flags(cand: dict, ref: dict, tol: Tolerances) -> list[str]:
-    """The seed's text metrics of the candidate beyond the reference's own."""
+    """The seed's text metrics (and the symbol ratio) of the candidate beyond the reference's own."""
     flags = []
-    dr, dr_ref = float(cand.get("digit_ratio", 0.0)), float(ref.get("digit_ratio", 0.0))
-    if dr > tol.digit_ratio_max and dr - dr_ref > tol.digit_ratio_excess:
-        flags.append(f"digit_ratio {dr:.2f} (reference {dr_ref:.2f})")
+    for key, limit, excess in (("digit_ratio", tol.digit_ratio_max, tol.digit_ratio_excess),
+                               ("symbol_ratio", tol.symbol_ratio_max, tol.symbol_ratio_excess)):
+        c, r = float(cand.get(key, 0.0)), float(ref.get(key, 0.0))
+        if c > limit and c - r > excess:
+            flags.append(f"{key} {c:.2f} (reference {r:.2f})")
     for key, excess in (("weird_runs", tol.weird_runs_excess), ("repeated_num_runs", tol.repeated_num_runs_excess)):
         c, r = int(cand.get(key, 0)), int(ref.get(key, 0))
         if c - r > excess:
             flags.append(f"{key} {c} (reference {r})")
     return flags
+
+
+def _loop(cand_tokens: list[int], ref_tokens: list[int], t: int, tol: Tolerances) -> tuple[int, float, float] | None:
+    """A repetition loop in the candidate from t* on that the reference does not have:
+    (onset step, candidate's repeated fraction after it, reference's over the same steps)."""
+    from diffcheck.judging.quality import repeated_ngrams
+
+    rep = np.array(repeated_ngrams(cand_tokens, tol.loop_ngram), bool)
+    onset = S.persistent_onset(rep[t:], window=max(tol.persist_window, 2 * tol.loop_ngram),
+                               fraction=tol.persist_fraction)
+    if onset is None:
+        return None
+    onset += t
+    frac = float(rep[onset:].mean())
+    ref_rep = np.array(repeated_ngrams(ref_tokens, tol.loop_ngram), bool)[onset:]
+    ref_frac = float(ref_rep.mean()) if ref_rep.size else 0.0
+    return (onset, frac, ref_frac) if frac - ref_frac > tol.loop_excess else None
 
 
 def _mean(x: np.ndarray) -> float:
@@ -280,12 +342,15 @@ class _Path:
 class _Judge:
     """Shared state of one comparison; `sequence(i)` judges sequence i in full."""
 
-    def __init__(self, *, reference, candidate, scored, layouts, al, pre, fpath, tol, metrics, token_text):
+    def __init__(self, *, reference, candidate, scored, layouts, alignment, before, forced_path, tol, limits,
+                 budget, change, tests, metrics, token_text):
         self.reference, self.candidate, self.scored = reference, candidate, scored
-        self.al, self.pre, self.fpath, self.tol = al, pre, fpath, tol
+        self.alignment, self.before, self.forced_path, self.tol = alignment, before, forced_path, tol
+        self.limits, self.budget, self.change, self.tests = limits, budget, change, tests
         self.metrics, self.token_text = metrics, token_text
         self.ref_off, self.cand_off = layouts[0].off, layouts[1].off
         self.scored_off = layouts[2].off if layouts[2] is not None else None
+        al = alignment
         # KL at t* for every sequence that has a token on both sides there, in one call
         self.kl_at_t_star = np.zeros(len(al), np.float32)
         both = np.flatnonzero((al.t_star >= 0) & (al.t_star < np.minimum(al.reference_len, al.candidate_len)))
@@ -303,8 +368,8 @@ class _Judge:
         info = self.reference.sequences[i]
         return text_metrics(info.text, n_tokens=info.n_tokens)
 
-    def near_tie(self, i: int, t: int) -> tuple[bool, str]:
-        """Is the divergence at t* (same context on both sides) a near-tie?"""
+    def at_t_star(self, i: int, t: int) -> str:
+        """What happened at t* (same context on both sides), for a kernel engineer."""
         ref, cand, tol = self.reference.steps, self.candidate.steps, self.tol
         rr, cr = int(self.ref_off[i]) + t, int(self.cand_off[i]) + t
         rt, ct = int(ref.token_id[rr]), int(cand.token_id[cr])
@@ -317,25 +382,27 @@ class _Judge:
             lp_cand: float | None = float(self.scored.steps.logprob[int(self.scored_off[i]) + t])
         else:
             lp_cand = float(ref.topk_logprobs[rr, rank_r]) if rank_r is not None else None
-        both = rank_r is not None and rank_c is not None
-        if lp_cand is None:  # no scored run and not in the reference's top-N: only a bound
+        if lp_cand is None:
             kth = float(ref.topk_logprobs[rr, n - 1]) if n else float("-inf")
-            ok, margin = False, f" (< {kth:.2f})"
+            margin = f" (< {kth:.2f})"
         else:
-            ok = both and abs(lp_ref - lp_cand) <= tol.benign_margin
             margin = f"({lp_cand:.2f}), margin {abs(lp_ref - lp_cand):.2f} nats"
-        if both:
+        if rank_r is not None and rank_c is not None:
             member = f"both in each other's top-{max(rank_r, rank_c) + 1}"
         else:
             missing = [(rank_r, "candidate token not in the reference's"), (rank_c, "reference token not in the candidate's")]
             member = "; ".join(f"{what} top-{n}" for rank, what in missing if rank is None)
-        text = (f"t*={t}: reference {self.tok(rt)}({lp_ref:.2f}) vs candidate {self.tok(ct)}{margin}, "
+        return (f"t*={t}: reference {self.tok(rt)}({lp_ref:.2f}) vs candidate {self.tok(ct)}{margin}, "
                 f"{member}; KL at t* {self.kl_at_t_star[i]:.3g}")
-        return ok, text
 
-    def signals(self, i: int, t: int, cand_nll, scored_nll, mu0: float) -> list[_Signal]:
+    def signals(self, i: int, t: int, cand_nll, scored_nll, mu0: float, off_floor: bool) -> list[_Signal]:
+        """Garbage signals on the candidate's steps from t* on (and the forced path).
+
+        `off_floor`: the distributions (forced path, or the same-context steps up to
+        t*) are beyond the noise floor. A loop fires only then: small models loop on
+        their own at temperature 0.7, and a clean sampling flip can start one."""
         tol, sigs = self.tol, []
-        cl = int(self.al.candidate_len[i])
+        cl = int(self.alignment.candidate_len[i])
         has_text = cl > t
         if has_text and scored_nll is not None:
             x = scored_nll[t:cl]
@@ -362,6 +429,18 @@ class _Judge:
                 sigs.append(_Signal("candidate self-NLL CUSUM", on, True, True, (
                     f"candidate's own NLL {_mean(x[cp.onset:]):.1f} nats/token from step {on} on vs {mu0:.1f} "
                     f"for the reference's own text (no scored run; CUSUM alarm at step {t + cp.alarm})")))
+        loop = None
+        if has_text:
+            cand_tokens = self.candidate.sequence(i).token_id.tolist()
+            ref_tokens = self.reference.sequence(i).token_id.tolist()
+            loop = _loop(cand_tokens, ref_tokens, t, tol)
+        if loop is not None:
+            on, frac, ref_frac = loop
+            # A loop is not plausible text, however low the reference scores it: it is
+            # garbage when the distributions are off too.
+            sigs.append(_Signal("repetition loop", on, off_floor, True, (
+                f"repetition loop: {frac:.0%} of the {tol.loop_ngram}-grams from step {on} on repeat earlier ones "
+                f"(reference {ref_frac:.0%} over the same steps)")))
         if has_text and self.metrics[i]:
             flags = _text_flags(self.metrics[i], self.ref_metrics(i), tol)
             if flags:
@@ -369,39 +448,57 @@ class _Judge:
                     "no per-step signal: onset at t*")
                 sigs.append(_Signal("text metrics", t, self.scored is None, self.scored is None,
                                     f"text metrics: {', '.join(flags)} ({how})"))
-        # departures need marked steps: the vectorized counts skip most sequences
-        if self.fpath is not None and self.fpath.agg.n_departed[i]:
-            sig = _departure(self.fpath.of(i), tol, what="forced replay", name="forced replay",
-                             trigger_ok=has_text and self.scored is None)
+        # departures need marked steps: the vectorized counts skip most sequences.
+        # The reference's scoring may not veto a forced path this far off unless the
+        # text reads as plausible prose (no loop).
+        if self.forced_path is not None and self.forced_path.agg.n_departed[i]:
+            sig = _departure(self.forced_path.of(i), tol, what="forced replay", name="forced replay",
+                             trigger_ok=has_text and (self.scored is None or loop is not None))
             sigs += [sig] if sig is not None else []
-        if self.pre.agg.n_departed[i]:
-            sig = _departure(self.pre.of(i), tol, what="before t*", name="same-context steps before t*",
+        if self.before.agg.n_departed[i]:
+            sig = _departure(self.before.of(i), tol, what="before t*", name="same-context steps before t*",
                              trigger_ok=False)
             sigs += [sig] if sig is not None else []
         return sigs
 
     def sequence(self, i: int, base: dict) -> SequenceVerdict:
-        tol, al = self.tol, self.al
+        tol, al, lim = self.tol, self.alignment, self.limits
         t = al.t_star_of(i)
         rl, cl = int(al.reference_len[i]), int(al.candidate_len[i])
         series, stats = base["series"], dict(base["stats"])
         ref_nll, cand_nll = series["ref_nll_reference"], series["candidate_nll"]
         scored_nll = series.get("ref_nll_candidate")
         mu0 = stats["ref_nll_reference_mean"]
-        pre_i = self.pre.of(i)
+        before = self.before.of(i)
+        # The path the floor decision reads: the forced replay when there is one (every
+        # step of the reference), else the same-context steps before t*.
+        if self.forced_path is not None:
+            path_name, path = "forced replay", self.forced_path.of(i)
+        else:
+            path_name, path = "same-context steps" if t is None else "steps before t*", before
+        amount, loss, b_amount, b_loss = decide(
+            path.kl, path.dlogprob, floor=lim.floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
+            loss_resolution=tol.loss_resolution, alpha=tol.alpha, beta=tol.beta, tests=self.tests,
+            budget=self.budget)
+        stats["effects"] = {"path": path_name, "amount": amount.as_dict(), "loss": loss.as_dict()}
+        # far steps: same-context steps (before t*, and t* itself) far beyond any benign step
+        far_steps = np.flatnonzero(before.kl > lim.far).tolist()
+        if t is not None and t < min(rl, cl) and self.kl_at_t_star[i] > lim.far:
+            far_steps.append(t)
+        if self.forced_path is not None:
+            far_steps += [s for s in np.flatnonzero(path.kl > lim.far).tolist() if s not in far_steps]
+        beyond_floor = amount.beyond or loss.beyond or bool(far_steps)
         failures: list[str] = []
         notes: list[str] = []
-        if not self.pre.agg.ok[i]:
-            text, stats["worst_step"] = _closeness_text("same-context steps" if t is None else "before t*",
-                                                        pre_i, self.pre.agg, i, tol)
-            failures.append(text)
-        if self.fpath is not None and not self.fpath.agg.ok[i]:
-            text, stats["forced_worst_step"] = _closeness_text("forced replay", self.fpath.of(i), self.fpath.agg,
-                                                               i, tol)
-            failures.append(text)
-        verdict, onset = Verdict.NUMERIC_DRIFT, None
+        floor_text = [f"{path_name} vs the noise floor: {amount.text()}; {loss.text()}"]
+        if far_steps:
+            s0 = min(far_steps)
+            kl0 = float(self.kl_at_t_star[i]) if s0 == t else float((before.kl if s0 < len(before) else path.kl)[s0])
+            floor_text.append(f"{len(far_steps)} same-context step(s) with KL beyond {lim.far:.3g} (10x the floor's "
+                              f"largest step or {tol.far_kl:g}), first at step {s0} (KL {kl0:.3g})")
+        verdict, onset = Verdict.IDENTICAL if t is None else Verdict.BENIGN_DRIFT, None
         if t is not None:
-            sigs = self.signals(i, t, cand_nll, scored_nll, mu0)
+            sigs = self.signals(i, t, cand_nll, scored_nll, mu0, off_floor=beyond_floor)
             triggers = [s for s in sigs if s.trigger]
             if triggers:
                 first = min((s for s in sigs if s.locates), key=lambda s: (s.onset, not s.trigger))
@@ -412,20 +509,50 @@ class _Judge:
                 if scored_nll is not None and onset < scored_nll.size:
                     stats["ref_nll_candidate_after_onset"] = _mean(scored_nll[max(onset, t):])
             else:
-                ok, text = self.benign_start(i, t, rl, cl)
-                (notes if ok else failures).insert(0, text)
-                if scored_nll is not None and scored_nll.size > t:
-                    m_c = _mean(scored_nll[t:])
-                    m_r = _mean(ref_nll[t:]) if rl > t else mu0
-                    text = (f"reference NLL of candidate text after t* {m_c:.2f} nats/token vs {m_r:.2f} "
-                            f"for the reference's own text")
-                    (notes if m_c <= m_r + tol.benign_nll_margin else failures).append(text)
-                failures += [s.evidence for s in sigs]  # evidence short of gibberish still is not benign
-                verdict = Verdict.BENIGN_DRIFT if not failures else Verdict.NUMERIC_DRIFT
-        elif not failures:
-            verdict = Verdict.IDENTICAL
+                notes += [s.evidence for s in sigs]  # short of garbage: shown, judged by the floor below
+            if t < min(rl, cl):
+                where = self.at_t_star(i, t)
+            elif t >= cl:
+                reason = self.candidate.sequences[i].finish_reason
+                where = (f"candidate ended at step {t} (finish_reason {reason!r}); the reference went on for "
+                         f"{rl - t} steps")
+                if reason not in ("stop", "length"):  # cut short by the engine (abort, error)
+                    failures.append(where)
+            else:
+                where = (f"reference ended at step {t} (finish_reason "
+                         f"{self.reference.sequences[i].finish_reason!r}); the candidate went on for {cl - t} steps")
+            if where not in failures:
+                notes.insert(1 if verdict is Verdict.GIBBERISH else 0, where)
+            if scored_nll is not None and scored_nll.size > t:
+                m_c = _mean(scored_nll[t:])
+                m_r = _mean(ref_nll[t:]) if rl > t else mu0
+                notes.append(f"reference NLL of candidate text after t* {m_c:.2f} nats/token vs {m_r:.2f} "
+                             f"for the reference's own text")
+        if verdict is not Verdict.GIBBERISH and failures:
+            verdict = Verdict.DEGRADED
+            notes += floor_text
+        elif verdict is not Verdict.GIBBERISH:
+            if self.budget is not None and beyond_floor:
+                cost = (f"precision cost of {_change_text(self.change)}: {b_amount.text()}; {b_loss.text()} "
+                        f"(budget KL {self.budget.kl:g}, loss {self.budget.loss:g})")
+                stats["effects"]["budget"] = {"amount": b_amount.as_dict(), "loss": b_loss.as_dict(),
+                                              "kl": self.budget.kl, "loss_budget": self.budget.loss}
+                if b_amount.beyond or b_loss.beyond:
+                    verdict = Verdict.DEGRADED
+                    failures.append(cost)
+                else:
+                    verdict = Verdict.WITHIN_BUDGET
+                    notes.insert(0, cost)
+                notes += floor_text
+            elif beyond_floor:
+                verdict = Verdict.DEGRADED
+                failures += floor_text
+            else:
+                notes += floor_text
+        else:
+            notes += floor_text
         # the headline first: for gibberish its onset, otherwise the failing checks
-        evidence = notes + failures if verdict is Verdict.GIBBERISH else failures + notes
+        evidence = notes if verdict is Verdict.GIBBERISH else failures + notes
         return SequenceVerdict(
             index=i, prompt_id=self.reference.sequences[i].prompt_id, verdict=verdict, t_star=t, onset=onset,
             shared_prefix=int(al.shared_prefix[i]), reference_len=rl, candidate_len=cl,
@@ -433,16 +560,9 @@ class _Judge:
             quality=self.metrics[i], series=series,
         )
 
-    def benign_start(self, i: int, t: int, rl: int, cl: int) -> tuple[bool, str]:
-        """Is the way the sequences part at t* benign?"""
-        if t < rl and t < cl:
-            return self.near_tie(i, t)
-        if t >= cl:  # the candidate stopped where the reference went on
-            reason = self.candidate.sequences[i].finish_reason
-            return reason in ("stop", "length"), (
-                f"candidate ended at step {t} (finish_reason {reason!r}); the reference went on for {rl - t} steps")
-        reason = self.reference.sequences[i].finish_reason
-        return True, f"reference ended at step {t} (finish_reason {reason!r}); the candidate went on for {cl - t} steps"
+
+def _change_text(change: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in change.items())
 
 
 # --- the case ------------------------------------------------------------------
@@ -488,7 +608,8 @@ def _check_follows(leader: Run, follower: Run, lead: _Layout, follow: _Layout, *
     return n
 
 
-def _path(reference: Run, other: Run, ref: _Layout, oth: _Layout, n: np.ndarray, tol: Tolerances) -> _Path:
+def _path(reference: Run, other: Run, ref: _Layout, oth: _Layout, n: np.ndarray, tol: Tolerances, lim: _Limits
+          ) -> _Path:
     """Step stats of the first n[i] steps of each sequence pair (same context)."""
     if np.array_equal(ref.lens, oth.lens):
         # equal lengths: row i of one run pairs with row i of the other, so select the
@@ -499,7 +620,7 @@ def _path(reference: Run, other: Run, ref: _Layout, oth: _Layout, n: np.ndarray,
         st = S.compare_steps(reference.steps, other.steps, reference_rows=segment_rows(ref.off[:-1], n),
                              candidate_rows=segment_rows(oth.off[:-1], n))
     off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
-    return _Path(stats=st, off=off, agg=_aggregate(st, off, tol))
+    return _Path(stats=st, off=off, agg=_aggregate(st, off, tol, lim))
 
 
 def _baselines(reference: Run, candidate: Run, ref: _Layout, cand: _Layout, al: Alignment, tol: Tolerances
@@ -539,7 +660,7 @@ def _sequence_verdicts(judge: _Judge, *, fast: list[bool], layouts, exact: np.nd
     Per-step curves for plots are views into flat columns, negated once for all
     sequences. The loop runs once per sequence, so it works on Python lists."""
     reference, candidate, scored = judge.reference, judge.candidate, judge.scored
-    al, pre, fpath, metrics = judge.al, judge.pre, judge.fpath, judge.metrics
+    al, pre, fpath, metrics = judge.alignment, judge.before, judge.forced_path, judge.metrics
     ref, cand, scored_layout = layouts
     ref_nll_all, cand_nll_all = _nll(reference.steps.logprob), _nll(candidate.steps.logprob)
     scored_nll_all = _nll(scored.steps.logprob) if scored is not None else None
@@ -578,8 +699,8 @@ def _sequence_verdicts(judge: _Judge, *, fast: list[bool], layouts, exact: np.nd
             out.append(SequenceVerdict(
                 index=i, prompt_id=reference.sequences[i].prompt_id, verdict=Verdict.IDENTICAL, t_star=None,
                 onset=None, shared_prefix=n, reference_len=n, candidate_len=n,
-                evidence=(f"tokens identical over {n} steps; mean KL {stats['kl_mean']:.2g}, "
-                          f"max {stats['kl_max']:.2g}",),
+                evidence=(f"tokens identical over {n} steps and within the noise floor: mean KL "
+                          f"{stats['kl_mean']:.2g} (margin {judge.limits.kl_margin:.2g}), max {stats['kl_max']:.2g}",),
                 stats=stats, baselines=baselines, quality=metrics[i], series=series,
             ))
         else:
@@ -598,6 +719,8 @@ def compare_runs(
     reference_id: str = "",
     token_text: Callable[[int], str] | None = None,
     text_metrics: bool = True,
+    floor: Floor | None = None,
+    tests: int | None = None,
 ) -> CaseVerdict:
     """Judge every candidate sequence against its reference sequence.
 
@@ -607,19 +730,27 @@ def compare_runs(
     ``text_metrics=False`` skips the seed's text metrics, which are per-character
     Python and can cost more than the whole numeric comparison: every
     `SequenceVerdict.quality` is then empty and the text-metric signal is off.
+    `floor`: the reference's noise floor (`floor.build_floor`); without one, margins
+    sit at diffcheck's resolution and the summary says so. `tests`: how many
+    sequences are judged at once across every comparison of the command (default:
+    this comparison's), for the multiple-testing correction.
     """
     tol = tolerances
     _check_kind(reference, "generate", "reference")
     _check_kind(candidate, "generate", "candidate")
+    floor = floor if floor is not None else Floor()
+    lim = _Limits.of(floor, tol)
+    change = spec_change(reference, candidate)
+    budget = budget_for(change, tol)
     ref, cand = _Layout.of(reference), _Layout.of(candidate)
     al = align(reference, candidate, reference_len=ref.lens, candidate_len=cand.lens)
-    pre = _path(reference, candidate, ref, cand, al.shared_prefix, tol)
+    pre = _path(reference, candidate, ref, cand, al.shared_prefix, tol, lim)
     fpath = scored_layout = None
     if forced is not None:
         _check_kind(forced, "forced", "forced")
         forced_layout = _Layout.of(forced)
         n = _check_follows(reference, forced, ref, forced_layout, what="forced", against="reference")
-        fpath = _path(reference, forced, ref, forced_layout, n, tol)
+        fpath = _path(reference, forced, ref, forced_layout, n, tol, lim)
     if scored is not None:
         _check_kind(scored, "scored", "scored")
         scored_layout = _Layout.of(scored)
@@ -629,7 +760,8 @@ def compare_runs(
     # reference's, so it cannot raise a text signal (reports fill those in for display).
     metrics = _text_metrics(candidate, al.t_star >= 0) if text_metrics else [{} for _ in candidate.sequences]
     judge = _Judge(reference=reference, candidate=candidate, scored=scored, layouts=(ref, cand, scored_layout),
-                   al=al, pre=pre, fpath=fpath, tol=tol, metrics=metrics, token_text=token_text)
+                   alignment=al, before=pre, forced_path=fpath, tol=tol, limits=lim, budget=budget, change=change,
+                   tests=tests or len(al), metrics=metrics, token_text=token_text)
 
     # The case summary's percentiles partition every same-context step: run them on a
     # thread (numpy releases the GIL there) while this thread judges sequences.
@@ -637,7 +769,7 @@ def compare_runs(
     try:
         summaries = [S.summarize(p.stats) if pool is None else pool.submit(S.summarize, p.stats)
                      for p in (pre, fpath) if p is not None]
-        # identical and within tolerance: judged without a Python-level look
+        # identical and plainly within the floor: judged without a Python-level look
         fast = ((al.t_star < 0) & pre.agg.ok & (fpath.agg.ok if fpath is not None else True)).tolist()
         out = _sequence_verdicts(judge, fast=fast, layouts=(ref, cand, scored_layout), exact=exact, close=close)
         if pool is not None:
@@ -659,9 +791,16 @@ def compare_runs(
         "n_same_context": same.pop("n"),
         **same,
         "baselines": {"exact_match": int(exact.sum()), "check_logprobs_close": int(close.sum())},
+        "floor": {"description": floor.describe(), **floor.as_dict(), "kl_margin": lim.kl_margin,
+                  "loss_margin": lim.loss_margin, "far_kl": lim.far},
+        "signals": {"forced": forced is not None, "scored": scored is not None, "floor": floor.measured},
+        "spec_change": {k: list(v) for k, v in change.items()},
     }
+    if budget is not None:
+        summary["budget"] = {"kl": budget.kl, "loss": budget.loss}
     if fpath is not None:
         summary["forced"] = summaries[1]
+        summary["precision_cost"] = _cost(fpath.stats)
     return CaseVerdict(
         candidate_id=candidate_id,
         reference_id=reference_id,
@@ -669,3 +808,19 @@ def compare_runs(
         sequences=tuple(out),
         summary=summary,
     )
+
+
+def _cost(st: S.StepStats) -> dict[str, Any]:
+    """The forced path's cost, the way llama.cpp reports a quantization: mean KL ± se,
+    same top-1, and the paired ΔNLL of the reference's tokens (mean ± se, percentiles)."""
+    from diffcheck.judging.decision import batch_means_se
+
+    kl, d = st.kl.astype(np.float64), st.dlogprob.astype(np.float64)
+    if kl.size == 0:
+        return {}
+    return {
+        "kl_mean": float(kl.mean()), "kl_mean_se": batch_means_se(kl),
+        "same_top1": float(st.top1.mean()),
+        "delta_nll_mean": float(-d.mean()), "delta_nll_se": batch_means_se(-d),
+        "delta_nll_p5": float(np.quantile(-d, 0.05)), "delta_nll_p95": float(np.quantile(-d, 0.95)),
+    }

@@ -130,6 +130,37 @@ def weird_runs(text: str) -> int:
     return len(soup_spans(text))
 
 
+def symbol_ratio(text: str) -> float:
+    """Punctuation and symbols / non-whitespace characters; 0.0 for a text with none.
+
+    Not one of the seed's metrics: a second kind of soup seen on real CUDA-graph
+    corruption ("A,,,,-.- of-,,,-- the and,-,"). A *symbol* is a non-whitespace
+    character that is neither alphanumeric (``str.isalnum``) nor a digit. English
+    prose scores ~0.03-0.08, markdown and code more; judge it against the
+    reference's own text, never alone.
+    """
+    chars = [c for c in text if not c.isspace()]
+    if not chars:
+        return 0.0
+    return sum(1 for c in chars if not c.isalnum()) / len(chars)
+
+
+def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> list[bool]:
+    """Per token position i: the n-gram ending at i occurred earlier in `tokens`.
+
+    A repetition loop ("a bicycle is a bicycle is a bicycle") makes this true at
+    nearly every position once the loop has started; prose repeats an n-gram here
+    and there.
+    """
+    seen: set[tuple[int, ...]] = set()
+    out = [False] * len(tokens)
+    for i in range(n - 1, len(tokens)):
+        gram = tuple(tokens[i - n + 1:i + 1])
+        out[i] = gram in seen
+        seen.add(gram)
+    return out
+
+
 def output_hash(text: str) -> str:
     """sha256 hex of the UTF-8 text (the seed's output hash: equal texts, equal hashes)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -173,10 +204,12 @@ def text_metrics(text: str, n_tokens: int | None = None) -> dict[str, Any]:
     """All of the seed's per-run text metrics of one sequence.
 
     Keys: digit_ratio, weird_runs, repeated_num_runs, max_digit_run,
-    output_hash, token_count (``n_tokens`` as given; None when not given).
+    output_hash, token_count (``n_tokens`` as given; None when not given), and
+    symbol_ratio (ours, not the seed's).
     """
     return {
         "digit_ratio": digit_ratio(text),
+        "symbol_ratio": symbol_ratio(text),
         "weird_runs": weird_runs(text),
         "repeated_num_runs": repeated_num_runs(text),
         "max_digit_run": max_digit_run(text),

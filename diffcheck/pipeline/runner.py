@@ -20,6 +20,7 @@ from typing import Any, Callable
 from diffcheck import cases as casesmod
 from diffcheck.storage import store
 from diffcheck.errors import DataError, DiffcheckError, EngineError
+from diffcheck.pipeline.calibrate import load_floor
 from diffcheck.types import CaseVerdict, Run, Verdict
 
 Echo = Callable[[str], None]
@@ -284,7 +285,16 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
-            force: bool = False, echo: Echo = print, pool: EnginePool | None = None) -> Comparison:
+            force: bool = False, echo: Echo = print, pool: EnginePool | None = None,
+            tests: int | None = None) -> Comparison:
+    """Judge candidate `case_id` against each of its references' goldens and noise floors.
+
+    `run_file`: judge that recorded run (and the forced/scored files beside it)
+    instead of running the engine; a missing scored file is computed with the local
+    reference engine when the golden was recorded on hardware like this one, and the
+    signals the verdict had are always stated. `tests`: how many sequences the whole
+    command judges (multiple-testing correction); default, this comparison's.
+    """
     from diffcheck.judging import classify
 
     case = casesmod.get_case(suite, case_id)
@@ -307,6 +317,16 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                 forced[r] = store.read_run(fp)
             if sp.exists():
                 scored[r] = store.read_run(sp)
+            elif _differs(goldens[r], candidate):
+                local = _local_engine_note(goldens[r])
+                if local is None:
+                    try:
+                        scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
+                                                    verbose=verbose, echo=echo, pool=pool)
+                    except EngineError as exc:
+                        echo(f"{case.id}: reference scoring failed ({exc.message}); judged without it")
+                else:
+                    echo(f"{case.id}: no scored file beside {run_file} and {local}: judged without scoring")
     else:
         try:
             candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
@@ -325,14 +345,36 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     tok = load_tokenizer(case)
     token_text = (lambda t: tok.decode([int(t)])) if tok is not None else None
     verdicts = []
+    n_tests = tests or sum(len(candidate.sequences) for _ in references)
     for r in references:
+        floor, notes = load_floor(root, suite.name, r, goldens[r])
+        for note in notes:
+            echo(note)
+        signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
+                                  if have]
+        echo(f"{case.id} vs {r}: signals: {', '.join(signals)}; {floor.describe()}")
         v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
                                   tolerances=tolerances, candidate_id=case.id, reference_id=r,
-                                  token_text=token_text)
+                                  token_text=token_text, floor=floor, tests=n_tests)
         delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
         verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta))
     _ledger(root).set_verdict(candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused))
+
+
+def _local_engine_note(golden: Run) -> str | None:
+    """Why the local engine cannot stand in for the golden's reference engine, or None if it can."""
+    gpu = golden.meta.hardware.get("gpu_name")
+    if not gpu:
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    return f"the golden was recorded on {gpu} and this machine has no GPU"
 
 
 def with_quality(verdict: CaseVerdict, candidate: Run) -> CaseVerdict:

@@ -2,31 +2,32 @@
 
 Labels live in the case files (``expect``), never here. Each labelled case is in
 one class: a *gibberish fault* (``expect.verdict = GIBBERISH``), a *degraded
-fault* (``expect.verdict = NUMERIC_DRIFT``: the honest label of a fault that
-hurts quality without turning the text into garbage), or *benign* (anything
-else). For each case the comparison runs as `diffcheck compare` does, and the
+fault* (``expect.verdict = DEGRADED``: a fault that hurts quality without turning
+the text into garbage), a *precision variant* (tagged ``precision``: a dtype or
+KV-cache change that must stay within its budget), or *benign* (anything else). For each case the comparison runs as `diffcheck compare` does, and the
 same sequences are also judged by the older rules, so the table shows what each
 would have said. A detector *flags* a case when it calls it broken:
 
-- ``diffcheck``: GIBBERISH or ERROR (NUMERIC_DRIFT too with ``strict``);
+- ``diffcheck``: what `judging.policy` fails, or ERROR;
 - ``exact_match`` (vLLM's check_outputs_equal): any token difference;
 - ``check_logprobs_close`` (vLLM): at the first mismatch, either side's token is
   outside the other's top-N.
 
 Whether a case passes is its own label's business (`Expect.matches`): a degraded
-fault must come out NUMERIC_DRIFT, a benign variant must not be GIBBERISH.
+fault must come out DEGRADED, a benign variant must pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffcheck.judging.policy import fails
 from diffcheck.types import Verdict
 
 DETECTORS = ("diffcheck", "exact_match", "check_logprobs_close")
 
 
-CLASSES = ("gibberish fault", "degraded fault", "benign")
+CLASSES = ("gibberish fault", "degraded fault", "precision variant", "benign")
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,15 @@ def labelled_cases(suite, *, include=None, exclude_tags=("slow", "gpu")):
 
 def outcome(case, verdict, *, strict: bool = False) -> Outcome:
     exp = case.expect
-    label = {Verdict.GIBBERISH: CLASSES[0], Verdict.NUMERIC_DRIFT: CLASSES[1]}.get(exp.verdict, CLASSES[2])
+    label = {Verdict.GIBBERISH: CLASSES[0], Verdict.DEGRADED: CLASSES[1]}.get(
+        exp.verdict, CLASSES[2] if "precision" in case.tags else CLASSES[3])
     worst = max(verdict.sequences, key=lambda s: s.verdict.value, default=None)
     onsets = [s.onset for s in verdict.sequences if s.onset is not None]
     onset = min(onsets) if onsets else None
     passed = exp.matches(verdict.verdict, onset)
     onset_error = abs(onset - exp.onset) if (onset is not None and exp.onset is not None) else None
-    fails = verdict.verdict is Verdict.GIBBERISH or (strict and verdict.verdict is Verdict.NUMERIC_DRIFT)
     flagged = {
-        "diffcheck": fails or verdict.verdict is Verdict.ERROR,
+        "diffcheck": fails(verdict.verdict, strict=strict) or verdict.verdict is Verdict.ERROR,
         "exact_match": any(not s.baselines.get("exact_match", True) for s in verdict.sequences),
         "check_logprobs_close": any(not s.baselines.get("check_logprobs_close", True) for s in verdict.sequences),
     }

@@ -74,7 +74,8 @@ PREFIX_FULL_CHARS = 20_000
 VERDICT_COLOURS = {
     Verdict.IDENTICAL: "#1b7f3b",
     Verdict.BENIGN_DRIFT: "#0b7285",
-    Verdict.NUMERIC_DRIFT: "#b8860b",
+    Verdict.WITHIN_BUDGET: "#8a6d00",
+    Verdict.DEGRADED: "#c45500",
     Verdict.GIBBERISH: "#c00000",
     Verdict.ERROR: "#862e9c",
 }

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterable
 
 from diffcheck.report import atomic_write_text, case_baselines, config_delta_lines, printable
+from diffcheck.judging.policy import fails
 from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
 
 
@@ -60,11 +61,11 @@ def _testcase(parent: ET.Element, case: CaseVerdict, sequence: SequenceVerdict, 
         )
         child.text = _details(sequence)
         return "error"
-    if verdict is Verdict.GIBBERISH or (verdict is Verdict.NUMERIC_DRIFT and strict):
+    if fails(verdict, strict=strict):
         child = ET.SubElement(element, "failure", message=_message(sequence, verdict.name), type=verdict.name)
         child.text = _details(sequence)
         return "failure"
-    if verdict is Verdict.NUMERIC_DRIFT:
+    if verdict is not Verdict.IDENTICAL:
         ET.SubElement(element, "system-out").text = _details(sequence)
     return "passed"
 

@@ -31,7 +31,8 @@ EVIDENCE_WIDTH = 60
 VERDICT_STYLES = {
     Verdict.IDENTICAL: "green",
     Verdict.BENIGN_DRIFT: "cyan",
-    Verdict.NUMERIC_DRIFT: "yellow",
+    Verdict.WITHIN_BUDGET: "yellow",
+    Verdict.DEGRADED: "bold dark_orange",
     Verdict.GIBBERISH: "bold red",
     Verdict.ERROR: "bold magenta",
 }
