@@ -73,7 +73,7 @@ def golden_up_to_date(path: Path, case) -> str | None:
         return None  # unreadable (older schema, damaged): record_golden decides what to do
     from diffcheck.engines import models
 
-    from diffcheck.engines.vllm_offline import vllm_source_state  # does not import vllm
+    from diffcheck.storage.identity import vllm_source_state  # does not import vllm
 
     model = models.resolve(case.model)
     engine = vllm_source_state()
@@ -249,9 +249,16 @@ class EnginePool:
         return self.engines[case.id]
 
     def close(self) -> None:
-        for engine in self.engines.values():
-            engine.close()
-        self.engines.clear()
+        """Close every engine, the last one opened first; a failing close does not keep the others open."""
+        failures = []
+        while self.engines:
+            _, engine = self.engines.popitem()  # dicts pop the last inserted first
+            try:
+                engine.close()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def __enter__(self):
         return self
