@@ -20,6 +20,9 @@ is one `ConfigError` line naming the file, the case, the key and what is valid):
   environment; ``prompts`` is relative to the suite file's folder.
 - A candidate names its references; references must be cases of role
   ``reference`` with the same prompts (runs are compared prompt by prompt).
+- ``env``'s DIFFCHECK_FAULT* keys are checked against the fault registry
+  (`diffcheck.faults.spec`, no engine import) after inheritance: a misspelled
+  fault or option refuses the suite, not the engine start.
 """
 
 from diffcheck.cases.identity import config_delta, config_digest, resolved_config

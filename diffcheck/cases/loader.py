@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from diffcheck.errors import ConfigError
 from diffcheck.types import ROLES, Verdict
 from diffcheck.cases.schema import *  # noqa: F403
 from diffcheck.cases.prompts import _prompts_digest, _read_prompts
@@ -159,6 +160,8 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
         known = sorted(p.name for p in folder.glob("*.toml")) if folder.is_dir() else []
         raise err(where, f"prompts file {display_path(prompts_file)} does not exist (available: {', '.join(known) or 'none'})")
     _read_prompts(prompts_file)  # refuse the suite now, not when the engine starts
+    env = dict(merged.get("env", {}))
+    _check_fault_env(env, err, where)
     expect = _build_expect(own.get("expect"), err, where)
     return Case(
         id=cid,
@@ -170,13 +173,27 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
         prompts_file=prompts_file,
         sampling=_typed(Sampling, merged.get("sampling", {}), SAMPLING_SPEC),
         engine=_typed(EngineConfig, merged.get("engine", {}), ENGINE_SPEC),
-        env=dict(merged.get("env", {})),
+        env=env,
         expect=expect,
         tolerances={k: float(v) for k, v in merged.get("tolerances", {}).items()},
         tags=tuple(merged.get("tags", ())),
         inherits=own.get("inherits"),
         source=path,
     )
+
+
+def _check_fault_env(env: dict[str, str], err, where: str) -> None:
+    """The DIFFCHECK_FAULT* keys of the merged env, as the faults will read them: a typo is refused now.
+
+    `diffcheck.faults.spec` is the registry (pure: no vLLM, no torch). Checked after
+    inheritance, since a parent may set the fault and a child its step.
+    """
+    from diffcheck.faults import spec
+
+    try:
+        spec.parse_env(env)
+    except ConfigError as exc:
+        raise err(where, f"env: {exc.message}") from None
 
 
 def _build_expect(raw: dict | None, err, where: str) -> Expect | None:
