@@ -6,66 +6,32 @@ Tests that need vLLM or the prepared model FAIL when they cannot get them
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from factories import write_suite
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A tiny suite for real-engine tests: two short prompts, few tokens.
-SMOKE_SUITE = """
-[suite]
-name = "smoke"
-description = "real-engine test suite: two short prompts, few tokens"
-
-[defaults]
-model = "smollm2-135m"
-prompts = "{prompts}"
-
-[defaults.sampling]
-max_tokens = 24
-temperature = 0.7
-top_p = 0.95
-top_k = 20
-seed = 1234
-logprobs = 20
-
-[defaults.engine]
-dtype = "float32"
-enforce_eager = true
-max_model_len = 1024
-kv_cache_memory_gib = 1
-
-[cases.J]
-role = "reference"
-description = "eager fp32 reference"
-
-[cases.S1]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "one sequence at a time"
-engine = {{ max_num_seqs = 1 }}
-expect = {{ not_verdict = ["GIBBERISH"] }}
-
-[cases.E]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "stale decode metadata from step 8"
-env = {{ DIFFCHECK_FAULT = "stale-decode-metadata", DIFFCHECK_FAULT_STEP = "8" }}
-expect = {{ verdict = "GIBBERISH", onset = 8, onset_tolerance = 8 }}
-"""
+SMOKE_CASES = {
+    "J": {"role": "reference", "description": "eager fp32 reference"},
+    "S1": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "one sequence at a time",
+           "engine": {"max_num_seqs": 1}, "expect": {"not_verdict": ["GIBBERISH"]}},
+    "E": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "stale decode metadata from step 8",
+          "env": {"DIFFCHECK_FAULT": "stale-decode-metadata", "DIFFCHECK_FAULT_STEP": "8"},
+          "expect": {"verdict": "GIBBERISH", "onset": 8, "onset_tolerance": 8}},
+}
 
 
 def write_smoke_suite(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    prompts = ROOT / "cases" / "prompts" / "smoke-en.toml"
-    path = folder / "smoke.toml"
-    path.write_text(SMOKE_SUITE.format(prompts=prompts))
-    return path
+    return write_suite(
+        folder, SMOKE_CASES, name="smoke", description="real-engine test suite: two short prompts, few tokens",
+        prompts=ROOT / "cases" / "prompts" / "smoke-en.toml",
+        sampling={"max_tokens": 24, "temperature": 0.7, "top_p": 0.95, "top_k": 20, "seed": 1234, "logprobs": 20},
+        engine={"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_gib": 1},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from diffcheck.judging.align import align, first_divergence, segment_rows
 from diffcheck.errors import DataError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.types import Run
+
+from factories import make_run
 
 
 def naive_first_divergence(reference, candidate):
@@ -22,23 +24,8 @@ def naive_first_divergence(reference, candidate):
 
 
 def token_run(sequences: list[list[int]], *, prompt_prefix: str = "p") -> Run:
-    """A run with only tokens (K=1 dummy top-k); enough for alignment."""
-    tokens = [np.asarray(s, np.int32) for s in sequences]
-    n = sum(len(t) for t in tokens)
-    steps = Steps(
-        seq=np.concatenate([np.full(len(t), i, np.int32) for i, t in enumerate(tokens)] or [np.zeros(0, np.int32)]),
-        step=np.concatenate([np.arange(len(t), dtype=np.int32) for t in tokens] or [np.zeros(0, np.int32)]),
-        token_id=np.concatenate(tokens or [np.zeros(0, np.int32)]).astype(np.int32),
-        logprob=np.zeros(n, np.float32),
-        topk_ids=np.zeros((n, 1), np.int32),
-        topk_logprobs=np.zeros((n, 1), np.float32),
-    )
-    infos = tuple(
-        SequenceInfo(prompt_id=f"{prompt_prefix}{i}", prompt_token_ids=(1,), text="", finish_reason="stop",
-                     n_tokens=len(t))
-        for i, t in enumerate(tokens)
-    )
-    return Run(meta=RunMeta(suite="t", case_id="c", role="reference"), sequences=infos, steps=steps)
+    """A run with only tokens (top-1 lists); enough for alignment."""
+    return make_run(sequences, k=1, prompt_ids=[f"{prompt_prefix}{i}" for i in range(len(sequences))])
 
 
 tokens = st.lists(st.integers(0, 3), max_size=12)

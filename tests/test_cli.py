@@ -17,25 +17,40 @@ import pytest
 from click.testing import CliRunner
 
 from diffcheck import __version__
-from diffcheck.cli import COMMANDS, cli, main
+from diffcheck.cli import cli, main
 
 HEAVY = ("torch", "vllm", "pyarrow", "numpy")
+# The commands the docs (README.md, docs/) promise users, with their subcommands. Written out
+# here, not read from the CLI's own command map, so that a command that disappears or is
+# renamed fails a test. The CLI may offer more; a new command joins this list once documented.
+PROMISED = {
+    "bisect": [],
+    "cases": ["check", "list", "show"],
+    "compare": [],
+    "golden": ["record", "show", "verify"],
+    "kernels": [],
+    "ledger": [],
+    "model": ["prepare"],
+    "run": [],
+    "selftest": [],
+}
+PROMISED_PATHS = [(name,) for name in PROMISED] + [(name, sub) for name, subs in PROMISED.items() for sub in subs]
 
 
 def _command_paths() -> list[tuple[str, ...]]:
-    """Every command and subcommand as an argv prefix, walking click groups recursively."""
+    """Every command and subcommand the CLI itself lists, as an argv prefix (click groups walked recursively)."""
     ctx = click.Context(cli)
     paths = []
 
     def walk(prefix: tuple[str, ...], command: click.Command) -> None:
-        paths.append(prefix)
+        if prefix:
+            paths.append(prefix)
         if isinstance(command, click.Group):
             sub_ctx = click.Context(command, parent=ctx)
             for name in command.list_commands(sub_ctx):
                 walk(prefix + (name,), command.get_command(sub_ctx, name))
 
-    for name in sorted(COMMANDS):
-        walk((name,), cli.get_command(ctx, name))
+    walk((), cli)
     return paths
 
 
@@ -59,34 +74,34 @@ def _probe(argvs: list[list[str]]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_walk_finds_every_command_and_the_subcommands():
-    top = {p[0] for p in PATHS}
-    assert top == set(COMMANDS)
-    # the groups' subcommands are found too, not just the top level
-    assert ("golden", "verify") in PATHS and ("cases", "check") in PATHS and ("model", "prepare") in PATHS
+def test_the_cli_offers_every_promised_command():
+    missing = sorted(set(PROMISED_PATHS) - set(PATHS))
+    assert not missing, f"promised but not offered: {missing}"
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[" ".join(p) for p in PATHS])
-def test_help_exits_zero(path):
-    result = CliRunner().invoke(cli, [*path, "--help"])
+def test_top_level_help_lists_each_promised_command_with_a_description():
+    result = CliRunner().invoke(cli, ["--help"], prog_name="diffcheck")
     assert result.exit_code == 0, result.output
-    assert "Usage: " in result.output and path[-1] in result.output
+    assert result.output.startswith("Usage: diffcheck [OPTIONS] COMMAND [ARGS]...")
+    listing = result.output.split("Commands:", 1)[1]
+    rows = dict(line.split(None, 1) for line in listing.strip().splitlines())
+    assert set(PROMISED) <= set(rows), sorted(rows)
+    assert all(len(text.split()) >= 3 for text in rows.values()), rows  # a description, not a stub
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+@pytest.mark.parametrize("path", PROMISED_PATHS, ids=[" ".join(p) for p in PROMISED_PATHS])
+def test_help_exits_zero_with_a_usage_line(path):
+    result = CliRunner().invoke(cli, [*path, "--help"], prog_name="diffcheck")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"Usage: diffcheck {' '.join(path)} [OPTIONS]"), result.output
+
+
+@pytest.mark.parametrize("name", list(PROMISED))
 def test_every_command_module_imports(name):
     # LazyGroup turns an ImportError into a placeholder command so the rest of the CLI
     # keeps working; a shipped command must never be that placeholder.
-    ctx = click.Context(cli)
-    command = cli.get_command(ctx, name)
-    assert "[unavailable:" not in (command.help or ""), command.help
-
-
-def test_short_help_in_the_map_matches_the_listing():
-    result = CliRunner().invoke(cli, ["--help"])
-    assert result.exit_code == 0
-    for name, (_module, short) in COMMANDS.items():
-        assert name in result.output and short.split()[0] in result.output
+    result = CliRunner().invoke(cli, [name, "--help"], prog_name="diffcheck")
+    assert result.exit_code == 0 and "[unavailable:" not in result.output, result.output
 
 
 def test_top_level_help_imports_no_heavy_module():

@@ -10,28 +10,9 @@ from click.testing import CliRunner
 
 from diffcheck.cli import cli, main
 
+from factories import write_suite
+
 CASES = Path(__file__).resolve().parents[1] / "cases"
-SUITE = """
-[suite]
-name = "{name}"
-description = "tiny"
-
-[defaults]
-model = "m"
-prompts = "prompts/p.toml"
-
-[cases.J]
-role = "reference"
-description = "eager reference"
-engine = {{ enforce_eager = true }}
-
-[cases.O]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "compiled"
-engine = {{ enforce_eager = false, {extra} }}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -39,25 +20,18 @@ def shipped_cases(monkeypatch):
     monkeypatch.setenv("DIFFCHECK_CASES", str(CASES))
 
 
-def make_suite(folder: Path, name: str, extra: str = "max_num_seqs = 2") -> Path:
-    (folder / "prompts").mkdir(exist_ok=True)
-    (folder / "prompts" / "p.toml").write_text('[[prompt]]\nid = "a"\ntext = "hello"\n')
-    path = folder / f"{name}.toml"
-    path.write_text(SUITE.format(name=name, extra=extra))
-    return path
+def make_suite(folder: Path, name: str, engine: dict | None = None) -> Path:
+    """Two cases: reference J (eager) and candidate O (compiled, plus `engine`)."""
+    return write_suite(folder, {
+        "J": {"role": "reference", "description": "eager reference", "engine": {"enforce_eager": True}},
+        "O": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "compiled",
+              "engine": {"enforce_eager": False, **(engine or {"max_num_seqs": 2})}},
+    }, name=name, description="tiny", model="m", prompts=[{"id": "a", "text": "hello"}])
 
 
 def invoke(*args):
     """Run like `main` does (standalone_mode=False) so the command's int is the exit code."""
     return CliRunner().invoke(cli, list(args), standalone_mode=False)
-
-
-@pytest.mark.parametrize("args", [["cases", "--help"], ["cases", "list", "--help"],
-                                  ["cases", "show", "--help"], ["cases", "check", "--help"]])
-def test_help(args):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    assert "Usage:" in result.output
 
 
 def test_list_all_suites():
@@ -123,7 +97,7 @@ def test_check_by_path_and_name(tmp_path):
 
 def test_check_reports_each_bad_suite_and_exits_2(tmp_path, capsys):
     good = make_suite(tmp_path, "good")
-    bad = make_suite(tmp_path, "bad", extra='cuda_graph = "FULL"')
+    bad = make_suite(tmp_path, "bad", engine={"cuda_graph": "FULL"})
     assert main(["cases", "check", str(good), str(bad)]) == 2
     captured = capsys.readouterr()
     assert "ok " in captured.out and "good.toml: 2 cases" in captured.out

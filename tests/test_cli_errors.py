@@ -15,45 +15,38 @@ import types
 from pathlib import Path
 
 import click
-import numpy as np
 import pytest
 
 from diffcheck import cli as climod
 from diffcheck.errors import ConfigError, EngineError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.types import Run
+
+from factories import make_run, suite_text, write_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "cases" / "prompts" / "smoke-en.toml"
 SCRIPT = Path(sys.executable).parent / "diffcheck"
-SUITE = """
-[suite]
-name = "errs"
-description = "CLI error tests"
+CASES = {
+    "J": {"role": "reference", "description": "eager fp32 reference"},
+    "X": {"inherits": "J", "role": "candidate", "references": ["J"],
+          "description": "a context longer than the model allows: vLLM refuses to start",
+          "engine": {"max_model_len": 10000000}},
+}
+SAMPLING = {"max_tokens": 8, "temperature": 0.7, "seed": 1, "logprobs": 4}
 
-[defaults]
-model = "smollm2-135m"
-prompts = "{prompts}"
-sampling = {{ max_tokens = 8, temperature = 0.7, seed = 1, logprobs = 4 }}
-engine = {{ dtype = "float32", enforce_eager = true, max_model_len = 1024, kv_cache_memory_gib = 1 }}
 
-[cases.J]
-role = "reference"
-description = "eager fp32 reference"
+def errs_suite(cases: dict = CASES, sampling: dict = SAMPLING) -> str:
+    return suite_text(cases, name="errs", description="CLI error tests", prompts=PROMPTS, sampling=sampling,
+                      engine={"dtype": "float32", "enforce_eager": True, "max_model_len": 1024,
+                              "kv_cache_memory_gib": 1})
 
-[cases.X]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "a context longer than the model allows: vLLM refuses to start"
-engine = {{ max_model_len = 10000000 }}
-""".format(prompts=PROMPTS)
+
 # Each breaks the suite in one way; the error line must name the file and what is wrong.
 BAD_SUITES = {
     "invalid-toml": ("[suite\nname = 'errs'", "invalid TOML"),
-    "bad-value": (SUITE.replace("temperature = 0.7", 'temperature = "hot"'), "temperature"),
-    "unknown-key": (SUITE.replace('description = "eager fp32 reference"',
-                                  'description = "eager fp32 reference"\ncolour = "blue"'), "colour"),
-    "unknown-reference": (SUITE.replace('references = ["J"]', 'references = ["Q"]'), "'Q'"),
+    "bad-value": (errs_suite(sampling={**SAMPLING, "temperature": "hot"}), "temperature"),
+    "unknown-key": (errs_suite({**CASES, "J": {**CASES["J"], "colour": "blue"}}), "colour"),
+    "unknown-reference": (errs_suite({**CASES, "X": {**CASES["X"], "references": ["Q"]}}), "'Q'"),
 }
 # Every command that reads a suite; none may start an engine before the suite is valid.
 SUITE_COMMANDS = [["cases", "show", "X"], ["golden", "verify"], ["golden", "record", "J"], ["run", "X"],
@@ -62,32 +55,15 @@ SUITE_COMMANDS = [["cases", "show", "X"], ["golden", "verify"], ["golden", "reco
 ENGINE_NOISE = (" INFO ", " WARNING ", "Triton is installed")
 
 
-def write_suite(folder: Path, text: str = SUITE) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "errs.toml"
-    path.write_text(text)
-    return path
+def write_errs_suite(folder: Path, text: str | None = None) -> Path:
+    return write_suite(folder, name="errs", text=errs_suite() if text is None else text)
 
 
 def synthetic_run(*, suite: str = "errs", case_id: str = "J", k: int = 4) -> Run:
     """A small, valid golden-shaped run: two sequences of 5 and 3 steps."""
-    rng = np.random.default_rng(0)
-    lengths = [5, 3]
-    n = sum(lengths)
-    topk_ids = rng.integers(0, 49152, size=(n, k)).astype(np.int32)
-    topk_logprobs = -np.sort(rng.exponential(2.0, size=(n, k)), axis=1).astype(np.float32)
-    steps = Steps(
-        seq=np.concatenate([np.full(m, i, np.int32) for i, m in enumerate(lengths)]),
-        step=np.concatenate([np.arange(m, dtype=np.int32) for m in lengths]),
-        token_id=topk_ids[:, 0].copy(), logprob=topk_logprobs[:, 0].copy(),
-        topk_ids=topk_ids, topk_logprobs=topk_logprobs,
-    )
-    seqs = tuple(SequenceInfo(prompt_id=f"p{i}", prompt_token_ids=(1, 2, 3), text=f"text {i}",
-                              finish_reason="length", n_tokens=m) for i, m in enumerate(lengths))
-    meta = RunMeta(suite=suite, case_id=case_id, role="reference", kind="generate",
-                   engine={"name": "vllm", "version": "0.32.0"}, model={"id": "smollm2-135m", "digest": "0" * 64},
-                   sampling={"max_tokens": 5, "logprobs": k})
-    return Run(meta=meta, sequences=seqs, steps=steps)
+    return make_run(lengths=(5, 3), k=k, suite=suite, case_id=case_id, texts=["text 0", "text 1"],
+                    engine={"name": "vllm", "version": "0.32.0"}, model={"id": "smollm2-135m", "digest": "0" * 64},
+                    sampling={"max_tokens": 5, "logprobs": k})
 
 
 def one_error_line(stderr: str) -> str:
@@ -120,7 +96,7 @@ def run_cli(args: list[str], *, cwd: Path, timeout: float = 120) -> subprocess.C
 
 @pytest.fixture
 def suite_path(tmp_path) -> Path:
-    return write_suite(tmp_path / "cases")
+    return write_errs_suite(tmp_path / "cases")
 
 
 # -- user errors: exit 2, one line ---------------------------------------------------------------
@@ -130,7 +106,7 @@ def suite_path(tmp_path) -> Path:
 @pytest.mark.parametrize("kind", sorted(BAD_SUITES))
 def test_bad_suite_file_is_one_line_exit_2(tmp_path, capsys, kind, command):
     text, what = BAD_SUITES[kind]
-    path = write_suite(tmp_path / "cases", text)
+    path = write_errs_suite(tmp_path / "cases", text)
     rc = climod.main([*command, "--suite", str(path)]
                      + (["--goldens", str(tmp_path / "goldens")] if command[0] != "cases" else []))
     err = capsys.readouterr().err
@@ -157,7 +133,7 @@ def test_user_error_in_a_real_process(tmp_path, suite_path):
 
 
 def test_missing_suite_names_what_exists(tmp_path, monkeypatch, capsys):
-    write_suite(tmp_path / "cases")
+    write_errs_suite(tmp_path / "cases")
     monkeypatch.setenv("DIFFCHECK_CASES", str(tmp_path / "cases"))
     rc = climod.main(["cases", "show", "J", "--suite", "no-such-suite"])
     assert rc == 2
@@ -259,7 +235,7 @@ def test_user_errors_map_to_their_exit_codes(monkeypatch, capsys, exc, code):
 
 
 def test_compare_exit_codes_for_an_engine_error_verdict():
-    from diffcheck.cli.compare import exit_code
+    from diffcheck.judging.policy import exit_code  # what `compare` exits with
     from diffcheck.types import Verdict
 
     assert exit_code(Verdict.ERROR, strict=False, bisect_codes=False) == 3

@@ -39,8 +39,11 @@ def test_validate_env_accepts_every_fault_and_fixed_variant(name):
 
 
 def test_every_fault_has_a_fixed_variant():
-    assert set(valid_names()) == set(FAULTS) | {f"{name}:fixed" for name in FAULTS}
     assert len(FAULTS) >= 3
+    for name in FAULTS:
+        buggy, fixed = parse_env({"DIFFCHECK_FAULT": name}), parse_env({"DIFFCHECK_FAULT": f"{name}:fixed"})
+        assert (buggy.fixed, fixed.fixed) == (False, True) and buggy.info == fixed.info, name
+        assert {name, f"{name}:fixed"} <= set(valid_names())
 
 
 def test_lanes_split_the_catalogue():

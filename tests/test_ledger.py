@@ -12,68 +12,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from diffcheck.storage import ledger
 from diffcheck.errors import DataError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps, Verdict
+from diffcheck.types import Run, Verdict
 
-PROMPTS = """
-[[prompt]]
-id = "p0"
-text = "Say something short."
+import factories
 
-[[prompt]]
-id = "p1"
-text = "Say something else."
-"""
-
-SUITE = """
-[suite]
-name = "{name}"
-description = "ledger/bisect test suite"
-
-[defaults]
-model = "{model}"
-prompts = "prompts.toml"
-
-[defaults.sampling]
-max_tokens = 8
-temperature = 0.0
-logprobs = 4
-
-[cases.J]
-role = "reference"
-description = "reference"
-
-[cases.K]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "candidate with a plugin from PYTHONPATH"
-env = {{ DIFFCHECK_PLUGIN_MODULES = "toyplugin" }}
-
-[cases.L]
-inherits = "J"
-role = "candidate"
-references = ["J"]
-description = "another candidate"
-engine = {{ max_num_seqs = 1 }}
-"""
+CASES = {
+    "J": {"role": "reference", "description": "reference"},
+    "K": {"inherits": "J", "role": "candidate", "references": ["J"],
+          "description": "candidate with a plugin from PYTHONPATH", "env": {"DIFFCHECK_PLUGIN_MODULES": "toyplugin"}},
+    "L": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "another candidate",
+          "engine": {"max_num_seqs": 1}},
+}
 
 
 def write_suite(folder: Path, *, name: str = "toy", model_digest: str = "fake-model-digest") -> Path:
     """A suite file whose model is a folder with a manifest (no real model needed)."""
-    folder.mkdir(parents=True, exist_ok=True)
     model = folder / "fake-model"
-    model.mkdir(exist_ok=True)
+    model.mkdir(parents=True, exist_ok=True)
     (model / "diffcheck-model.json").write_text(json.dumps({"digest": model_digest}))
-    (folder / "prompts.toml").write_text(PROMPTS)
-    path = folder / f"{name}.toml"
-    path.write_text(SUITE.format(name=name, model=model))
-    return path
+    return factories.write_suite(folder, CASES, name=name, description="ledger/bisect test suite", model=model,
+                                 sampling={"max_tokens": 8, "temperature": 0.0, "logprobs": 4})
 
 
 def load_case(path: Path, case_id: str):
@@ -83,27 +46,14 @@ def load_case(path: Path, case_id: str):
 
 
 def make_run(case, tokens: list[list[int]], *, kind: str = "generate", timings: dict | None = None) -> Run:
-    """A synthetic run: given token ids per sequence, plausible logprobs, top-4."""
-    k = 4
-    seqs, parts = [], []
-    for i, ids in enumerate(tokens):
-        seqs.append(SequenceInfo(prompt_id=f"p{i}", prompt_token_ids=(1, 2, 3), text=" ".join(map(str, ids)),
-                                 finish_reason="length", n_tokens=len(ids)))
-        parts.append(np.asarray(ids, np.int32))
-    token_id = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    n = len(token_id)
-    topk_ids = np.stack([token_id + j for j in range(k)], axis=1).astype(np.int32)
-    topk_lp = np.tile(np.array([-0.1, -2.5, -3.0, -4.0], np.float32), (n, 1))
-    steps = Steps(seq=np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(parts)]),
-                  step=np.concatenate([np.arange(len(p), dtype=np.int32) for p in parts]),
-                  token_id=token_id, logprob=topk_lp[:, 0].copy(), topk_ids=topk_ids, topk_logprobs=topk_lp)
-    meta = RunMeta(suite=case.suite, case_id=case.id, role=case.role, kind=kind,
-                   engine={"name": "vllm", "version": "0.32.0", "commit": None, "dirty": None},
-                   model={"id": "fake", "digest": "fake-model-digest"},
-                   timings=timings if timings is not None else {"startup_s": 20.0, "generate_s": 3.5,
-                                                                "tokens_per_s": 4.6},
-                   created="2026-12-02T12:00:00+00:00")
-    return Run(meta=meta, sequences=tuple(seqs), steps=steps)
+    """`factories.make_run` for `case`: the given token ids per sequence, top-4, a fixed engine and model."""
+    return factories.make_run(
+        tokens, k=4, kind=kind, suite=case.suite, case_id=case.id, role=case.role,
+        engine={"name": "vllm", "version": "0.32.0", "commit": None, "dirty": None},
+        model={"id": "fake", "digest": "fake-model-digest"},
+        timings=timings if timings is not None else {"startup_s": 20.0, "generate_s": 3.5, "tokens_per_s": 4.6},
+        created="2026-12-02T12:00:00+00:00",
+    )
 
 
 CLEAN = [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]]

@@ -116,7 +116,7 @@ def test_empty_and_whitespace_text(text):
 
 def test_text_metrics_keys():
     assert set(text_metrics("x")) == {"digit_ratio", "weird_runs", "repeated_num_runs", "max_digit_run",
-                                       "output_hash", "token_count"}
+                                       "symbol_ratio", "output_hash", "token_count"}
 
 
 def test_steady_decode_tps_excludes_first_token():
