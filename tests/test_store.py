@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,38 +20,36 @@ from hypothesis import strategies as st
 
 from diffcheck.storage import store, codec as store_format
 from diffcheck.errors import ConfigError, DataError, LockedError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.types import Run
+
+import factories
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+STORE_META = dict(
+    engine={"name": "vllm", "version": "0.32.0", "commit": "abc", "dirty": False,
+            "effective": {"dtype": "float32", "enforce_eager": True}},
+    model={"id": "smollm2-135m", "path": "/m", "digest": "d" * 64},
+    sampling={"temperature": 1.0, "top_p": 0.95, "seed": 1234}, hardware={"cpu": "x"},
+    env={"A": "1"}, timings={"generate_s": 1.5}, source={}, created="2026-12-01T00:00:00+00:00",
+    diffcheck_version="0.1.0",
+)
+
+
 def make_run(lengths=(5, 0, 7), *, k=4, seed=0, case_id="J", suite="default", text=None, **meta_kw) -> Run:
-    rng = np.random.default_rng(seed)
-    n = int(sum(lengths))
-    lp = -np.sort(rng.exponential(2.0, (n, k)), axis=1).astype(np.float32)
-    ids = rng.integers(0, 49152, (n, k)).astype(np.int32)
-    if n:
-        lp[0, -1] = -np.inf  # fewer than K candidates: padding
-        ids[0, -1] = -1
-    token = ids[:, 0].copy()
-    seqs = tuple(
-        SequenceInfo(prompt_id=f"p{i}", prompt_token_ids=tuple(int(x) for x in rng.integers(0, 49152, 3)),
-                     text=text if text is not None else f"sequence {i}: 测试 ２０２４", finish_reason="length" if m else "stop",
-                     n_tokens=int(m))
-        for i, m in enumerate(lengths)
+    """`factories.make_run` with random top-k, every meta field set, and step 0's last top-k slot padded."""
+    run = factories.make_run(
+        lengths=lengths, k=k, seed=seed, case_id=case_id, suite=suite,
+        texts=text if text is not None else [f"sequence {i}: 测试 ２０２４" for i in range(len(lengths))],
+        prompt_token_ids=[(i, 49151 - i, 7 * i) for i in range(len(lengths))],
+        finish_reasons=["length" if m else "stop" for m in lengths],
+        **{**STORE_META, **meta_kw},
     )
-    meta = dict(suite=suite, case_id=case_id, role="reference", kind="generate",
-                engine={"name": "vllm", "version": "0.32.0", "commit": "abc", "dirty": False,
-                        "effective": {"dtype": "float32", "enforce_eager": True}},
-                model={"id": "smollm2-135m", "path": "/m", "digest": "d" * 64},
-                sampling={"temperature": 1.0, "top_p": 0.95, "seed": 1234}, hardware={"cpu": "x"},
-                env={"A": "1"}, timings={"generate_s": 1.5}, source={}, created="2026-12-01T00:00:00+00:00",
-                diffcheck_version="0.1.0")
-    meta.update(meta_kw)
-    return Run(meta=RunMeta(**meta), sequences=seqs, steps=Steps(
-        seq=np.repeat(np.arange(len(lengths), dtype=np.int32), lengths),
-        step=np.concatenate([np.arange(m, dtype=np.int32) for m in lengths]) if lengths else np.zeros(0, np.int32),
-        token_id=token, logprob=lp[:, 0].copy(), topk_ids=ids, topk_logprobs=lp))
+    if run.n_tokens:  # fewer than K candidates: padding
+        run.steps.topk_logprobs[0, -1] = -np.inf
+        run.steps.topk_ids[0, -1] = -1
+    return run
 
 
 def assert_same_run(got: Run, want: Run) -> None:
@@ -403,17 +400,23 @@ def test_verify_false_skips_only_the_manifest_check(golden):
 
 # -- atomicity and locking ------------------------------------------------------------------------
 
+# A writer that stops at a chosen point of `store.write_run` and waits there on its stdin, which
+# the test holds open and never writes to: it is certainly alive, and mid-write, when killed.
+#   pending:  after the manifest's "pending" entry, before the data file is written
+#   partial:  half of the data written to the temp file (not flushed to disk, not renamed)
+#   replaced: the data file replaced, the manifest not yet committed
 CHILD = textwrap.dedent("""
-    import sys, time, os
+    import builtins, os, sys
     sys.path.insert(0, {tests!r})
-    from test_store import make_run
-    from diffcheck.storage import store, codec as store_format
-    path, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    run = make_run((n, 3), k=20, seed=7)
+    from factories import make_run
+    from diffcheck.storage import store
+    path, phase = sys.argv[1], sys.argv[2]
+    run = make_run(lengths=(50, 3), k=20, seed=7)
     real_update, real_write = store._update_manifest, store._atomic_write
     def block(where):
         print(where, flush=True)
-        time.sleep(600)
+        sys.stdin.readline()  # returns only if the test goes away first
+        os._exit(3)
     def update(folder, change):
         real_update(folder, change)
         if phase == "pending":
@@ -422,18 +425,36 @@ CHILD = textwrap.dedent("""
         real_write(p, data)
         if phase == "replaced" and p.name == os.path.basename(path):
             block("replaced")
-    store._update_manifest, store._atomic_write = update, atomic
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            block("partial")
+    def opener(file, mode="r", *args, **kwargs):
+        f = builtins.open(file, mode, *args, **kwargs)
+        if phase == "partial" and os.path.basename(file).startswith("." + os.path.basename(path) + "."):
+            return HalfWriter(f)
+        return f
+    store._update_manifest, store._atomic_write, store.open = update, atomic, opener
     print("writing", store.content_digest(run), flush=True)
     store.write_run(path, run)
     print("done", flush=True)
 """)
 
 
-def _start_child(tmp_path: Path, path: Path, phase: str, n: int = 50) -> tuple[subprocess.Popen, str]:
+def _start_child(tmp_path: Path, path: Path, phase: str) -> tuple[subprocess.Popen, str]:
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(tests=str(ROOT / "tests")))
-    proc = subprocess.Popen([sys.executable, str(script), str(path), phase, str(n)], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), phase], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
     first = proc.stdout.readline().split()
     assert first and first[0] == "writing", first
     return proc, first[1]
@@ -441,44 +462,36 @@ def _start_child(tmp_path: Path, path: Path, phase: str, n: int = 50) -> tuple[s
 
 def _kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # killed while blocked, not finished
+    proc.stdin.close()
+    proc.stdout.close()
 
 
-@pytest.mark.parametrize("phase", ["pending", "replaced"])
-def test_writer_killed_between_phases_leaves_a_consistent_folder(tmp_path, golden, phase):
+@pytest.mark.parametrize("phase", ["pending", "partial", "replaced"])
+def test_writer_killed_mid_write_leaves_a_consistent_folder(tmp_path, golden, phase):
     old, path, old_digest = golden
     proc, new_digest = _start_child(tmp_path, path, phase)
+    expect = new_digest if phase == "replaced" else old_digest
     try:
         assert proc.stdout.readline().strip() == phase
+        if phase == "partial":
+            (temp,) = path.parent.glob(f".{path.name}.{proc.pid}.tmp")
+            assert temp.stat().st_size > 0
         # While the writer is stuck mid-write, the golden still reads and verifies, and a
         # second writer is locked out with the holder's pid.
         got = store.read_run(path)
-        assert store.content_digest(got) == (old_digest if phase == "pending" else new_digest)
+        assert store.content_digest(got) == expect
         with pytest.raises(LockedError, match=rf"pid {proc.pid}\b"):
             store.write_run(path, old)
     finally:
         _kill(proc)
     got = store.read_run(path)
-    expect = old_digest if phase == "pending" else new_digest
     assert store.content_digest(got) == expect == store.manifest_entry(path)["content_blake3"]
     assert all(r.ok for r in store.verify_folder(path.parent)), store.verify_folder(path.parent)
     # The dead writer's lock is gone with it; the next write succeeds and cleans up.
     assert store.write_run(path, old) == old_digest
     assert "pending" not in json.loads((path.parent / "MANIFEST.json").read_text())["J.parquet"]
     assert not list(path.parent.glob(".*.tmp"))
-
-
-def test_writer_killed_at_a_random_moment_of_a_big_write(tmp_path, golden):
-    _, path, old_digest = golden
-    proc, new_digest = _start_child(tmp_path, path, "none", n=200_000)
-    time.sleep(0.3)
-    alive = proc.poll() is None
-    _kill(proc)
-    got = store.read_run(path)
-    # A big write takes seconds, so the kill normally lands mid-write and the old golden survives;
-    # if the machine was fast enough to finish, the new golden must be complete instead.
-    assert store.content_digest(got) in ({old_digest} if alive else {old_digest, new_digest})
-    assert all(r.ok for r in store.verify_folder(path.parent))
 
 
 def test_second_writer_in_process_is_locked_out(golden):
