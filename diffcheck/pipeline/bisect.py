@@ -18,6 +18,12 @@ tree, also after Ctrl-C, SIGTERM or an engine crash (`restore` runs in a
 ``finally`` with those signals held off). Only a SIGKILL of this process can
 leave a bisect in progress; the next run refuses with the command that ends it.
 
+Ctrl-C works however the process was started: a shell without job control
+starts a background command (``diffcheck bisect ... &`` in a script, a CI
+runner) with SIGINT ignored, and Python then installs no KeyboardInterrupt
+handler, so the bisect installs its own (`_Interrupts`). An inherited SIGHUP
+ignore (``nohup``) is kept.
+
 Knows git (the ``git`` command) and the ledger. Knows nothing about engines or
 verdict rules: the compare subprocess judges, this module maps exit codes.
 """
@@ -181,29 +187,59 @@ def restore(repo: str | Path, original: RepoState) -> tuple[RepoState, tuple[str
     return now, left
 
 
-@contextmanager
-def _signals_raise():
-    """SIGTERM and SIGHUP interrupt like Ctrl-C, so the finally that restores the repository runs."""
-    def interrupt(signum, frame):
+class _Interrupts:
+    """SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt, once; then no signal may cut the cleanup short.
+
+    - The handler is installed for SIGINT even where SIGINT was inherited
+      ignored (see the module docstring); SIGHUP keeps an inherited ignore.
+    - The first signal switches all three to SIG_IGN before it raises, and
+      `hold` does the same on the normal path, so a second Ctrl-C landing in
+      the ``finally`` cannot skip the restore. Commands the restore runs
+      inherit the ignore: a Ctrl-C sent to the terminal's process group does
+      not kill a ``git reset`` half-way either.
+    - `deferred` covers starting ``git bisect run``: a signal then is kept and
+      raised once the Popen object is known, so the child it started is
+      always stopped (a KeyboardInterrupt inside Popen would leave it running).
+    """
+
+    def __init__(self) -> None:
+        self.previous: dict[int, object] = {}
+        self.deferring = False
+        self.pending: int | None = None
+
+    def __enter__(self) -> "_Interrupts":
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            current = signal.getsignal(s)
+            self.previous[s] = current
+            if not (s == signal.SIGHUP and current == signal.SIG_IGN):
+                signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def _handler(self, signum, frame) -> None:
+        if self.deferring:
+            self.pending = signum
+            return
+        self.hold()
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def hold(self) -> None:
+        """From here on the three signals are ignored (until `__exit__`)."""
+        for s in self.previous:
+            signal.signal(s, signal.SIG_IGN)
 
-
-@contextmanager
-def _signals_held():
-    """No signal may cut the restore short."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    @contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.pending is not None:
+            self._handler(self.pending, None)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -249,15 +285,16 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
     echo(f"{PROGRESS}case {plan.case_id} (suite {plan.suite}) over {n_commits} commits of {repo}: "
          f"good {good[:10]}, bad {bad[:10]}; logs in {plan.log_dir}")
     proc, lines, rc, bisect_log, interrupted = None, [], None, "", False
-    try:
-        with _signals_raise():
+    with _Interrupts() as interrupts:
+        try:
             git(repo, "bisect", "start", bad, good, "--")
             cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.pipeline.bisect", "--step",
                    str(plan_file)]
             # A session of its own: Ctrl-C reaches only this process, which then stops the
             # whole group (step, compare, engine) before restoring the repository.
-            proc = subprocess.Popen(cmd, cwd=repo, env=step_env(plan), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            with interrupts.deferred():
+                proc = subprocess.Popen(cmd, cwd=repo, env=step_env(plan), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
             with open(Path(plan.log_dir) / "git-bisect.log", "w") as log:
                 for line in proc.stdout:
                     log.write(line)
@@ -266,16 +303,17 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
                         echo(line.rstrip("\n"))
             rc = proc.wait()
             bisect_log = git(repo, "bisect", "log", check=False)
-    except KeyboardInterrupt:
-        interrupted = True
-        raise
-    finally:
-        with _signals_held():
+            interrupts.hold()
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            interrupts.hold()  # already so, unless another exception got here
             if proc is not None and proc.poll() is None:
                 _stop(proc)
             restored, left = restore(repo, original)
-        if interrupted:
-            echo(f"{PROGRESS}interrupted; repository restored: {restored.describe()}")
+            if interrupted:
+                echo(f"{PROGRESS}interrupted; repository restored: {restored.describe()}")
     first_bad, candidates = parse_bisect_log(bisect_log)
     failure = ""
     if not first_bad:
@@ -341,9 +379,9 @@ def verdict_code(verdict: Verdict, *, strict: bool = False) -> int | None:
     """The bisect code a judged verdict maps to; None for ERROR (never cached: it may be transient)."""
     if verdict is Verdict.ERROR:
         return None
-    if verdict is Verdict.GIBBERISH or (strict and verdict is Verdict.NUMERIC_DRIFT):
-        return BAD
-    return GOOD
+    from diffcheck.judging.policy import fails
+
+    return BAD if fails(verdict, strict=strict) else GOOD
 
 
 def _run_logged(cmd, *, shell: bool, cwd: str, env: dict, log_path: Path, verbose: bool) -> int:
