@@ -11,9 +11,11 @@ Stored results live at ``<dir>/<device>.parquet``. The file's key-value
 metadata holds the schema version, the suite's environment, the kernels that
 were skipped and why, and a blake3 digest of the canonical JSON of all of
 that plus the rows; reading recomputes the digest and refuses a file that
-does not match. JSON and the dataclasses need only the standard library, so
-``python -m kernels --json`` works where pyarrow and blake3 are missing;
-pyarrow and blake3 are imported only by the Parquet functions.
+does not match. That in-file digest is the integrity check here, not a folder
+manifest (`diffcheck.storage.manifest`'s docstring says why); both files are
+written with that module's atomic write. JSON and the dataclasses need only the
+standard library, so ``python -m kernels --json`` works where pyarrow and blake3
+are missing; pyarrow and blake3 are imported only by the Parquet functions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,12 +114,11 @@ class SuiteResult:
 
 
 def write_json(result: SuiteResult, path: str | Path) -> Path:
+    from diffcheck.storage import manifest
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return manifest.write_json(path, result.to_json(), indent=1, sort_keys=True)
 
 
 def read_json(path: str | Path) -> SuiteResult:
@@ -143,9 +143,9 @@ def _canonical(header: dict, rows: list[dict]) -> bytes:
 
 
 def _digest(header: dict, rows: list[dict]) -> str:
-    import blake3
+    from diffcheck.storage import manifest
 
-    return blake3.blake3(_canonical(header, rows)).hexdigest()
+    return manifest.digest_bytes(_canonical(header, rows)).blake3
 
 
 def write_parquet(result: SuiteResult, path: str | Path) -> Path:
@@ -163,10 +163,12 @@ def write_parquet(result: SuiteResult, path: str | Path) -> Path:
         META_HEADER: json.dumps(header, sort_keys=True).encode(),
         META_DIGEST: _digest(header, rows).encode(),
     })  # fmt: skip
+    from diffcheck.storage import manifest
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    manifest.atomic_write(path, buffer.getvalue().to_pybytes())
     return path
 
 

@@ -8,16 +8,17 @@ path. Known ids are prepared once by ``diffcheck model prepare ID``:
    declared dependencies, llm and llama-cpp-python, are not needed);
 2. transformers converts the GGUF to fp32 safetensors (vLLM 0.32 cannot load a
    GGUF file directly);
-3. a blake3 digest of every file is written to ``diffcheck-model.json``.
+3. ``diffcheck-model.json`` records the size and blake3 of every file
+   (`diffcheck.storage.manifest`'s scheme) and the folder digest, the model's
+   identity in runs and ledger keys.
 
-Every later use verifies that digest, so a corrupt or half-written folder is
-refused with the command that fixes it. The cache folder is
-``$DIFFCHECK_CACHE/models`` (default ``~/.cache/diffcheck/models``).
+Every later use verifies both in one pass, so a corrupt or half-written folder
+is refused with the file that differs and the command that fixes it. The cache
+folder is ``$DIFFCHECK_CACHE/models`` (default ``~/.cache/diffcheck/models``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffcheck.errors import ConfigError, DataError
+from diffcheck.storage import manifest as manifest_scheme
 
 MANIFEST = "diffcheck-model.json"
 
@@ -74,16 +76,21 @@ def model_dir(model_id: str, root: Path | None = None) -> Path:
 
 def folder_digest(folder: Path) -> str:
     """blake3 over (relative name, content) of every file except our manifest."""
+    return _scan(folder)[0]
+
+
+def _scan(folder: Path) -> tuple[str, dict[str, manifest_scheme.FileDigest]]:
+    """(folder digest, {relative name: size and blake3}) of every file except our manifest, in one read."""
     import blake3
 
     h = blake3.blake3()
+    files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            h.update(str(p.relative_to(folder)).encode() + b"\0")
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
-    return h.hexdigest()
+            name = str(p.relative_to(folder))
+            h.update(name.encode() + b"\0")
+            files[name] = manifest_scheme.digest_file(p, feed=h.update)
+    return h.hexdigest(), files
 
 
 def resolve(model: str, *, root: Path | None = None) -> PreparedModel:
@@ -95,11 +102,17 @@ def resolve(model: str, *, root: Path | None = None) -> PreparedModel:
         manifest = folder / MANIFEST
         if not manifest.is_file():
             raise DataError(f"model '{model}' is not prepared ({folder} has no {MANIFEST}); {fix}")
-        try:
-            recorded = json.loads(manifest.read_text())["digest"]
-        except (ValueError, KeyError) as exc:
-            raise DataError(f"{manifest}: unreadable manifest ({exc}); {refix}") from None
-        actual = folder_digest(folder)
+        data = manifest_scheme.read_json(manifest, fix=refix)
+        recorded = data.get("digest") if isinstance(data, dict) else None
+        if not isinstance(recorded, str):
+            raise DataError(f"{manifest}: unreadable manifest (no 'digest'); {refix}")
+        actual, found = _scan(folder)
+        if "files" in data:  # absent: prepared by an older diffcheck; the folder digest still checks it
+            files = manifest_scheme.parse_entries(data["files"], where=str(manifest))
+            problems = manifest_scheme.compare(found, files)
+            if problems:
+                more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+                raise DataError(f"{folder}: model files do not match their digest ({problems[0]}{more}); {refix}")
         if actual != recorded:
             raise DataError(
                 f"{folder}: model files do not match their digest (recorded {recorded[:12]}, found {actual[:12]}); {refix}"
@@ -109,8 +122,10 @@ def resolve(model: str, *, root: Path | None = None) -> PreparedModel:
     if not path.exists():
         known = ", ".join(sorted(KNOWN_MODELS))
         raise ConfigError(f"model '{model}' is neither a known id ({known}) nor an existing path")
-    manifest = path / MANIFEST
-    digest = json.loads(manifest.read_text())["digest"] if manifest.is_file() else _light_digest(path)
+    data = manifest_scheme.read_json(path / MANIFEST) if path.is_dir() else None
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("digest"), str)):
+        raise DataError(f"{path / MANIFEST}: unreadable manifest (no 'digest')")
+    digest = data["digest"] if data is not None else _light_digest(path)
     return PreparedModel(id=path.name, path=path, digest=digest)
 
 
@@ -156,10 +171,10 @@ def prepare(model_id: str, *, root: Path | None = None, force: bool = False, ech
         echo(f"model {model_id}: converting {gguf.name} to safetensors (fp32)")
         out = tmp / "model"
         _convert_gguf(gguf, out)
-        digest = folder_digest(out)
-        (out / MANIFEST).write_text(
-            json.dumps({"id": model_id, "source": spec.package, "gguf": spec.gguf_member, "digest": digest}, indent=2)
-        )
+        digest, files = _scan(out)
+        manifest_scheme.write_json(out / MANIFEST, {
+            "id": model_id, "source": spec.package, "gguf": spec.gguf_member, "digest": digest,
+            "files": manifest_scheme.entries(files)}, indent=2, sort_keys=False)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(out, folder)  # same filesystem: atomic publish of the finished folder

@@ -28,7 +28,9 @@ line, ``<path>: <what failed>``.
 
 Manifest entry: file_blake3, content_blake3, output_blake3, schema_version,
 bytes, case_id, kind, role, n_tokens, created; plus ``pending`` (an entry) while
-a write is in flight. Writes are two-phase so that a writer killed at any point
+a write is in flight. The file part (size and blake3, their check and its
+one-line refusal, the atomic writes) is `diffcheck.storage.manifest`'s scheme,
+spelled ``bytes``/``file_blake3`` here because committed goldens are. Writes are two-phase so that a writer killed at any point
 leaves a consistent folder: (1) record the new entry as ``pending`` beside the
 committed one, (2) write a temp file in the folder, fsync, ``os.replace``,
 (3) commit the pending entry. A file matching either the committed or the
@@ -52,9 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import blake3
-
 from diffcheck.storage import codec as _format
+from diffcheck.storage import manifest as _manifest
 from diffcheck.errors import ConfigError, DataError, LockedError
 from diffcheck.storage.codec import (  # noqa: F401  (the public API lives here too)
     LOGPROB_MANTISSA_BITS, SCHEMA_VERSION, content_digest, output_digest, quantize, quantize_logprobs)
@@ -129,16 +130,9 @@ def _decode(path: Path, data: bytes) -> Run:
 
 def _load_manifest(folder: Path) -> dict | None:
     mpath = folder / MANIFEST
-    try:
-        text = mpath.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    data = _manifest.read_json(mpath, fix="restore it from version control or re-record")
+    if data is None:
         return None
-    except OSError as exc:
-        raise DataError(f"{mpath}: cannot read ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise DataError(f"{mpath}: not valid JSON ({exc}); restore it from version control or re-record") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise DataError(f"{mpath}: expected a JSON object mapping file names to entry objects")
     return data
@@ -163,31 +157,13 @@ def manifest_entry(path: str | Path) -> dict | None:
     raw = manifest[path.name]
     file_hash = None
     if raw.get("pending") and path.exists():
-        file_hash = blake3.blake3(path.read_bytes()).hexdigest()
+        file_hash = _manifest.digest_bytes(path.read_bytes()).blake3
     return _effective_entry(raw, file_hash)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
+    # `open` is looked up here, at call time: the crash tests replace this module's `open`.
+    _manifest.atomic_write(path, data, opener=open)
 
 
 def _remove_stale_temps(folder: Path, name: str) -> None:
@@ -241,8 +217,9 @@ def write_run(path: str | Path, run: Run) -> str:
     digest = _format.content_digest_of(run, stored)
     data = _format.encode(run, stored)
     entry = {
-        "file_blake3": blake3.blake3(data).hexdigest(), "content_blake3": digest, "output_blake3": output_digest(run),
-        "schema_version": _format.SCHEMA_VERSION, "bytes": len(data), "case_id": run.meta.case_id, "kind": run.meta.kind,
+        **_manifest.digest_bytes(data).entry(_manifest.STORE_KEYS), "content_blake3": digest,
+        "output_blake3": output_digest(run), "schema_version": _format.SCHEMA_VERSION,
+        "case_id": run.meta.case_id, "kind": run.meta.kind,
         "role": run.meta.role, "n_tokens": run.n_tokens,
         "created": run.meta.created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -282,16 +259,20 @@ def _read_verified(path: Path, *, verify: bool) -> bytes:
         if path.name not in manifest:
             raise DataError(f"{path}: not in manifest {path.parent / MANIFEST}; it was not recorded in this "
                             f"folder — {_rerecord_hint(path)}")
-        file_hash = blake3.blake3(data).hexdigest()
-        entry = _effective_entry(manifest[path.name], file_hash) or {}
-        if entry.get("file_blake3") == file_hash:
+        got = _manifest.digest_bytes(data)
+        entry = _effective_entry(manifest[path.name], got.blake3)
+        if entry is None:  # only an aborted write's pending entry, which this file is not
+            if attempt == 0:
+                continue
+            raise DataError(f"{path}: {MANIFEST} holds only an unfinished write's entry for it, and this file is not "
+                            f"that write's; {_rerecord_hint(path)}")
+        want = _manifest.FileDigest.from_entry(entry, where=f"{path.parent / MANIFEST} ({path.name})",
+                                               keys=_manifest.STORE_KEYS)
+        if _manifest.mismatch(got, want) is None:
             return data
         if attempt == 0:
             continue  # a writer may have replaced the file between our two reads
-        expect = str(entry.get("file_blake3", "none"))
-        size = "" if entry.get("bytes") in (None, len(data)) else f", {len(data)} bytes, manifest says {entry['bytes']}"
-        raise DataError(f"{path}: blake3 mismatch (manifest {expect[:8]}.., file {file_hash[:8]}..{size}); "
-                        f"the file was modified after recording — {_rerecord_hint(path)}")
+        _manifest.check(path, got, want, fix=f"the file was modified after recording — {_rerecord_hint(path)}")
     raise AssertionError("unreachable")
 
 

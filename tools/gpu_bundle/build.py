@@ -23,7 +23,8 @@ What goes in, and why:
 
 Everything is one ``tar.xz`` split into pieces of at most ``piece_mib`` MiB, with a
 ``manifest.json`` holding the size, sha256 and blake3 of every piece and of the whole
-archive. ``install.sh`` needs only bash and the target's python3: it verifies each
+archive (`diffcheck.storage.manifest`'s scheme, with the sha256 that ``install.sh``
+checks: it reads ``name``, ``size`` and ``sha256`` with the target's bare python3). ``install.sh`` needs only bash and the target's python3: it verifies each
 piece (sha256), reassembles, verifies the archive, installs with
 ``pip install --no-index --no-deps --target DIR``, prepares the model, checks that
 vLLM and diffcheck import, and prints the PYTHONPATH to use.
@@ -34,8 +35,6 @@ This module knows pip, wheels and archives; it knows nothing about engines or ru
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -49,6 +48,7 @@ from typing import Callable
 
 from diffcheck import __version__
 from diffcheck.errors import ConfigError, DataError, DiffcheckError
+from diffcheck.storage import manifest as manifest_scheme
 
 try:  # vLLM's dependencies bring packaging; pip always vendors it
     from packaging.markers import default_environment
@@ -204,11 +204,7 @@ def load_base_packages(path: str | Path | None) -> tuple[dict[str, str | None], 
 # -- digests, pieces, manifest ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Digest:
-    size: int
-    sha256: str
-    blake3: str
+Digest = manifest_scheme.FileDigest  # size, blake3, sha256
 
 
 @dataclass(frozen=True)
@@ -218,17 +214,13 @@ class Piece:
     sha256: str
     blake3: str
 
+    @property
+    def digest(self) -> Digest:
+        return Digest(size=self.size, blake3=self.blake3, sha256=self.sha256)
+
 
 def digest_file(path: Path) -> Digest:
-    import blake3
-
-    sha, b3, size = hashlib.sha256(), blake3.blake3(), 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            sha.update(chunk)
-            b3.update(chunk)
-            size += len(chunk)
-    return Digest(size=size, sha256=sha.hexdigest(), blake3=b3.hexdigest())
+    return manifest_scheme.digest_file(path, sha256=True)
 
 
 def split_file(path: Path, out_dir: Path, *, piece_bytes: int) -> list[Piece]:
@@ -253,38 +245,29 @@ def split_file(path: Path, out_dir: Path, *, piece_bytes: int) -> list[Piece]:
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> Path:
-    path = out_dir / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    return path
+    return manifest_scheme.write_json(out_dir / MANIFEST, manifest, indent=2, sort_keys=False)
 
 
 def read_manifest(bundle_dir: Path) -> dict:
     path = bundle_dir / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: no bundle manifest here (build one with `make gpu-bundle`)") from None
-    except ValueError as exc:
-        raise DataError(f"{path}: not JSON ({exc})") from None
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("pieces"), list):
-        raise DataError(f"{path}: field 'format' must be {FORMAT} with a 'pieces' list (found {manifest.get('format')!r})")
+    manifest = manifest_scheme.read_json(path, missing="no bundle manifest here (build one with `make gpu-bundle`)")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("pieces"), list):
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise DataError(f"{path}: field 'format' must be {FORMAT} with a 'pieces' list (found {found!r})")
     return manifest
 
 
 def verify_pieces(bundle_dir: Path, manifest: dict) -> list[str]:
     """Problems with the pieces in `bundle_dir` (missing, wrong size or digest); empty when all are good."""
-    problems = []
+    recorded, found = {}, {}
     for entry in manifest["pieces"]:
-        path = bundle_dir / entry["name"]
-        if not path.is_file():
-            problems.append(f"{entry['name']}: missing")
-            continue
-        d = digest_file(path)
-        if d.size != entry["size"]:
-            problems.append(f"{entry['name']}: {d.size} bytes, manifest says {entry['size']}")
-        elif d.sha256 != entry["sha256"] or d.blake3 != entry["blake3"]:
-            problems.append(f"{entry['name']}: digest differs from the manifest")
-    return problems
+        name = entry["name"]
+        recorded[name] = Digest.from_entry(entry, where=f"{bundle_dir / MANIFEST} ({name})")
+        if (bundle_dir / name).is_file():
+            found[name] = digest_file(bundle_dir / name)
+    order = {name: i for i, name in enumerate(recorded)}
+    problems = manifest_scheme.compare(found, recorded, detail=False)
+    return sorted(problems, key=lambda line: order[line.split(": ", 1)[0]])  # in piece order
 
 
 def join_pieces(bundle_dir: Path, manifest: dict, out_path: Path) -> Digest:
@@ -297,9 +280,10 @@ def join_pieces(bundle_dir: Path, manifest: dict, out_path: Path) -> Digest:
             with open(bundle_dir / entry["name"], "rb") as src:
                 shutil.copyfileobj(src, out, 1 << 22)
     d = digest_file(out_path)
-    want = manifest["archive"]
-    if (d.size, d.sha256, d.blake3) != (want["size"], want["sha256"], want["blake3"]):
-        raise DataError(f"{out_path}: reassembled archive does not match the manifest's 'archive' digests")
+    want = Digest.from_entry(manifest["archive"], where=f"{bundle_dir / MANIFEST} (archive)")
+    reason = manifest_scheme.mismatch(d, want)
+    if reason:
+        raise DataError(f"{out_path}: reassembled archive does not match the manifest's 'archive' entry ({reason})")
     return d
 
 
@@ -547,7 +531,7 @@ def package(stage: Path, out: Path, *, piece_bytes: int, fields: dict, echo: Ech
         "model": None,
         "check_imports": [],
         **fields,
-        "archive": {"name": ARCHIVE, **asdict(digest), "uncompressed_files_size": raw},
+        "archive": {"name": ARCHIVE, **digest.entry(), "uncompressed_files_size": raw},
         "pieces": [asdict(p) for p in pieces],
         "contents": contents,
     }
