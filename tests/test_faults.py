@@ -202,5 +202,5 @@ def test_describe_lists_every_fault_and_the_readme_carries_it():
     table = describe()
     for name in FAULTS:
         assert f"`{name}`" in table
-    readme = (REPO / "diffcheck" / "faults" / "README.md").read_text()
-    assert table in readme, "diffcheck/faults/README.md is out of date: paste diffcheck.faults.describe() into it"
+    doc = (REPO / "docs" / "faults.md").read_text()
+    assert table in doc, "docs/faults.md is out of date: paste diffcheck.faults.describe() into it"

@@ -98,7 +98,7 @@ def test_case_baselines_fail_when_any_sequence_fails_and_none_when_unrecorded():
 
 def test_worst_sequence_prefers_severity_then_earliest_t_star():
     seqs = (
-        make_sequence(0, Verdict.NUMERIC_DRIFT, t_star=3),
+        make_sequence(0, Verdict.DEGRADED, t_star=3),
         make_sequence(1, Verdict.GIBBERISH, t_star=40, onset=50),
         make_sequence(2, Verdict.GIBBERISH, t_star=10, onset=12),
     )
@@ -135,7 +135,7 @@ def test_table_renders_every_verdict_with_footer_and_no_escape_codes():
     for verdict in Verdict:
         assert verdict.name in out
     assert "\x1b[" not in out  # not a terminal: plain text for CI logs
-    assert "p4" in out and "error evidence for seq 4" in out
+    assert "p5" in out and "error evidence for seq 5" in out
     assert "exact match would say: FAIL" in out
     assert "check_logprobs_close would say: FAIL" in out
     assert "engine.kv_cache_dtype: 'auto' -> 'fp8_e5m2'" in out
@@ -205,14 +205,14 @@ def test_json_round_trips_with_documented_keys(tmp_path):
     }
     assert case["config_delta"] == {"engine.kv_cache_dtype": {"reference": "auto", "candidate": "fp8_e5m2"}}
     assert case["baselines"] == {"exact_match": False, "check_logprobs_close": False}
-    sequence = case["sequences"][3]
+    sequence = case["sequences"][4]
     assert set(sequence) == {
         "index", "prompt_id", "verdict", "t_star", "onset", "shared_prefix", "reference_len", "candidate_len",
         "evidence", "stats", "baselines", "quality", "series",
     }
     assert (sequence["verdict"], sequence["t_star"], sequence["onset"]) == ("GIBBERISH", 20, 30)
     assert case["sequences"][0]["t_star"] is None
-    assert sequence["evidence"][0] == "gibberish evidence for seq 3"
+    assert sequence["evidence"][0] == "gibberish evidence for seq 4"
     assert sequence["stats"]["nan_stat"] is None
     kl = sequence["series"]["forced_kl"]
     assert len(kl) == 64 and kl[5] is None and isinstance(kl[40], float) and kl[40] > 2.9
@@ -235,28 +235,31 @@ def _junit(tmp_path, cases, **kw):
     return root, root.findall("testsuite")
 
 
-def test_junit_counts_failures_errors_and_numeric_drift_output(tmp_path):
+def test_junit_counts_failures_errors_and_passing_output(tmp_path):
     cases = [make_case(*ALL), make_case(Verdict.GIBBERISH, Verdict.IDENTICAL, candidate_id="O-b")]
     root, suites = _junit(tmp_path, cases)
-    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("7", "2", "1")
+    # failures: DEGRADED and GIBBERISH of the first case, GIBBERISH of the second; ERROR is an error
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("8", "3", "1")
     assert [s.get("name") for s in suites] == ["O-fp8 vs O-eager", "O-b vs O-eager"]
     testcases = suites[0].findall("testcase")
-    assert [t.get("name") for t in testcases] == [f"seq{i} p{i}" for i in range(5)]
+    assert [t.get("name") for t in testcases] == [f"seq{i} p{i}" for i in range(len(ALL))]
     by_verdict = dict(zip(Verdict, testcases))
-    assert by_verdict[Verdict.GIBBERISH].find("failure").get("message") == "gibberish evidence for seq 3"
-    assert by_verdict[Verdict.ERROR].find("error").get("message") == "error evidence for seq 4"
-    drift = by_verdict[Verdict.NUMERIC_DRIFT]
-    assert drift.find("failure") is None and "numeric_drift evidence" in drift.find("system-out").text
-    for verdict in (Verdict.IDENTICAL, Verdict.BENIGN_DRIFT):
-        assert list(by_verdict[verdict]) == []
+    assert by_verdict[Verdict.GIBBERISH].find("failure").get("message") == "gibberish evidence for seq 4"
+    assert by_verdict[Verdict.DEGRADED].find("failure").get("message") == "degraded evidence for seq 3"
+    assert by_verdict[Verdict.ERROR].find("error").get("message") == "error evidence for seq 5"
+    budget = by_verdict[Verdict.WITHIN_BUDGET]
+    assert budget.find("failure") is None and "within_budget evidence" in budget.find("system-out").text
+    assert list(by_verdict[Verdict.IDENTICAL]) == []
     props = {p.get("name"): p.get("value") for p in suites[0].iter("property")}
     assert props["verdict"] == "ERROR" and props["config_delta.engine.kv_cache_dtype"] == "'auto' -> 'fp8_e5m2'"
 
 
-def test_junit_strict_fails_numeric_drift(tmp_path):
-    root, _ = _junit(tmp_path, [make_case(Verdict.NUMERIC_DRIFT, Verdict.BENIGN_DRIFT)], strict=True)
+def test_junit_strict_fails_a_precision_cost(tmp_path):
+    root, _ = _junit(tmp_path, [make_case(Verdict.WITHIN_BUDGET, Verdict.BENIGN_DRIFT)], strict=True)
     assert root.get("failures") == "1"
-    assert root.find(".//failure").get("type") == "NUMERIC_DRIFT"
+    assert root.find(".//failure").get("type") == "WITHIN_BUDGET"
+    root, _ = _junit(tmp_path, [make_case(Verdict.WITHIN_BUDGET, Verdict.BENIGN_DRIFT)])
+    assert root.get("failures") == "0"
 
 
 def test_junit_engine_error_without_sequences_and_control_characters(tmp_path):
@@ -295,10 +298,10 @@ def test_html_prefers_forced_series_and_skips_empty_or_all_nan_curves():
         "ref_nll_candidate": np.full(n, np.nan),
         "ref_nll_reference": np.array([]),
     }
-    svg = plot_svg(make_sequence(0, Verdict.NUMERIC_DRIFT, n=n, series=series))
+    svg = plot_svg(make_sequence(0, Verdict.DEGRADED, n=n, series=series))
     assert svg.count('class="curve') == 1 and "forced on reference tokens" in svg
     assert "NLL" not in svg
-    assert plot_svg(make_sequence(0, Verdict.NUMERIC_DRIFT, series={})) == ""
+    assert plot_svg(make_sequence(0, Verdict.DEGRADED, series={})) == ""
     html = render_html(_report(Verdict.IDENTICAL))
     assert "<svg" in html  # identical sequences still get their curves
 
@@ -368,7 +371,7 @@ def test_html_texts_show_start_and_onset_windows_of_long_divergence():
 
 def test_html_whole_text_fallback_and_missing_texts():
     texts = {("O-fp8", "O-eager", 0): SequenceTexts.from_texts("The answer is 42.", "The answer is 41.5")}
-    html = render_html(_report(Verdict.BENIGN_DRIFT, Verdict.NUMERIC_DRIFT, texts=texts))
+    html = render_html(_report(Verdict.BENIGN_DRIFT, Verdict.DEGRADED, texts=texts))
     assert "shared prefix (15 characters)" in html and '<span class="div">1.5</span>' in html
     assert "No texts were given for this sequence." in html  # seq 1 has no entry
 
@@ -377,13 +380,13 @@ def test_html_summary_links_every_sequence_and_stays_small():
     html = render_html(_report(*ALL))
     for i in range(len(ALL)):
         assert f'href="#c0-s{i}"' in html and f'id="c0-s{i}"' in html
-    assert html.index('id="c0-s4"') < html.index('id="c0-s3"') < html.index('id="c0-s0"')  # worst first
+    assert html.index('id="c0-s5"') < html.index('id="c0-s4"') < html.index('id="c0-s0"')  # worst first
     assert len(html.encode()) < 150_000
 
 
 def test_json_series_compact_float32_exact_and_optional(tmp_path):
     values = np.array([0.1, np.nan, np.inf, 2.5], dtype=np.float32)
-    case = CaseVerdict("c", "r", Verdict.NUMERIC_DRIFT, (make_sequence(0, Verdict.NUMERIC_DRIFT, series={"kl": values}),))
+    case = CaseVerdict("c", "r", Verdict.DEGRADED, (make_sequence(0, Verdict.DEGRADED, series={"kl": values}),))
     text = write_json(tmp_path / "r.json", [case]).read_text()
     assert '"kl": [0.1,null,null,2.5]' in text  # one line, float32's shortest form
     kl = json.loads(text)["cases"][0]["sequences"][0]["series"]["kl"]
@@ -391,5 +394,5 @@ def test_json_series_compact_float32_exact_and_optional(tmp_path):
     small = json.loads(write_json(tmp_path / "s.json", [case], include_series=False).read_text())
     assert small["cases"][0]["sequences"][0]["series"] == {}
     assert json.loads(write_json(tmp_path / "c.json", [case], indent=None).read_text())["cases"][0]["verdict"] == (
-        "NUMERIC_DRIFT"
+        "DEGRADED"
     )

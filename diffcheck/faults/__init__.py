@@ -2,7 +2,7 @@
 
 Each fault is a small patch of one real vLLM code path that reproduces a real bug
 class from a chosen decode step on (see `spec` for the environment contract and the
-exact meaning of "decode step", and README.md here for the table). A fault is
+exact meaning of "decode step", and docs/faults.md for the table). A fault is
 selected by DIFFCHECK_FAULT in a case's ``env``; vLLM runs `register()` in every
 one of its processes (API/driver, engine core, workers) through the
 ``vllm.general_plugins`` entry point ``diffcheck`` (``diffcheck.plugins:register``, which calls this).

@@ -12,6 +12,7 @@ Environment variables (all set by a case's ``env``):
 - ``DIFFCHECK_FAULT_LAYER``: decoder layer index, or ``all`` (faults that act per layer).
 - ``DIFFCHECK_FAULT_HEAD``: query-head index within the worker's shard (``lost-head``).
 - ``DIFFCHECK_FAULT_OFFSET``: position shift in tokens (``rope-offset``).
+- ``DIFFCHECK_FAULT_SCALE``: noise strength, relative to the output's RMS (``attn-noise``).
 - ``DIFFCHECK_FAULT_MARKER``: a file the fault appends JSON lines to, from the
   process that patched ("patched") and the process where it first acted ("acting").
 
@@ -36,8 +37,9 @@ ENV_STEP = "DIFFCHECK_FAULT_STEP"
 ENV_LAYER = "DIFFCHECK_FAULT_LAYER"
 ENV_HEAD = "DIFFCHECK_FAULT_HEAD"
 ENV_OFFSET = "DIFFCHECK_FAULT_OFFSET"
+ENV_SCALE = "DIFFCHECK_FAULT_SCALE"
 ENV_MARKER = "DIFFCHECK_FAULT_MARKER"
-ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_MARKER)
+ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_SCALE, ENV_MARKER)
 
 FIXED_SUFFIX = ":fixed"
 DEFAULT_STEP = 32
@@ -61,6 +63,7 @@ class FaultInfo:
     default_layer: str | None = None  # "all" or a layer index as text
     default_head: int | None = None
     default_offset: int | None = None
+    default_scale: float | None = None
 
 
 CATALOGUE: tuple[FaultInfo, ...] = (
@@ -112,6 +115,19 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         default_layer=ALL_LAYERS,
         default_head=0,
     ),
+    FaultInfo(
+        name="attn-noise",
+        module="attn_noise",
+        summary="relative Gaussian noise of strength SCALE on attention outputs in decode passes from step N",
+        code_path="vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        bug_class="a numerically wrong kernel whose error grows with a knob (lossy accumulator, split-K "
+        "partial sums, a wrong scale): right shapes, small unbiased error per element",
+        symptom="from invisible to garbage as SCALE grows: the self-test's power curve",
+        fixed="the same path with scale 0",
+        options=(ENV_LAYER, ENV_SCALE),
+        default_layer=ALL_LAYERS,
+        default_scale=0.1,
+    ),
     # Written by the GPU lane (diffcheck/faults/gpu.py); refuses to install off CUDA.
     FaultInfo(
         name="seq-lens-copy",
@@ -156,6 +172,7 @@ class FaultSpec:
     layer: int | None = None
     head: int | None = None
     offset: int | None = None
+    scale: float | None = None
     marker: str | None = None
 
     @property
@@ -219,6 +236,7 @@ def parse_env(env: Mapping[str, str]) -> FaultSpec | None:
     offset = _int_option(present, ENV_OFFSET, default=info.default_offset, minimum=None) if ENV_OFFSET in info.options else None
     if offset == 0:
         raise ConfigError(f"{ENV_OFFSET}=0 would make fault {info.name!r} a no-op (use a non-zero shift)")
+    scale = _scale_option(present, info) if ENV_SCALE in info.options else None
     marker = (present.get(ENV_MARKER) or "").strip() or None
     return FaultSpec(
         name=info.name,
@@ -227,8 +245,22 @@ def parse_env(env: Mapping[str, str]) -> FaultSpec | None:
         layer=layer,
         head=head,
         offset=offset,
+        scale=scale,
         marker=marker,
     )
+
+
+def _scale_option(env: Mapping[str, str], info: FaultInfo) -> float:
+    raw = (env.get(ENV_SCALE) or "").strip()
+    if not raw:
+        return float(info.default_scale or 0.0)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_SCALE}={raw!r} is not a number (valid: a relative strength > 0, e.g. 0.01)") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ConfigError(f"{ENV_SCALE}={raw!r} must be a finite number > 0 (use the ':fixed' variant for 0)")
+    return value
 
 
 def describe() -> str:
@@ -245,6 +277,8 @@ def describe() -> str:
             options.append(f"`{ENV_HEAD}` ({info.default_head})")
         if ENV_OFFSET in info.options:
             options.append(f"`{ENV_OFFSET}` ({info.default_offset})")
+        if ENV_SCALE in info.options:
+            options.append(f"`{ENV_SCALE}` ({info.default_scale})")
         rows.append(
             f"| `{info.name}` | {info.lane} | `{info.code_path}` | {info.bug_class} | {info.symptom} | {info.fixed} | "
             + ", ".join(options)
