@@ -11,9 +11,12 @@ Contract:
 
 - Without DIFFCHECK_FAULT, `register()` returns at once: no patch and no import of
   vLLM internals, so production runs are untouched.
-- An unknown fault or a bad option is a one-line `ConfigError`: from `validate_env`
-  (which the engine calls before building ``vllm.LLM``) and from `register()` itself
-  (so a bad name can never be silently ignored inside the engine).
+- An unknown fault or a bad option is a one-line `ConfigError`: when a suite loads
+  (``diffcheck.cases`` checks each case's env with `spec.parse_env`, so ``diffcheck
+  cases check`` refuses a typo), from `validate_env` (which the engine calls before
+  building ``vllm.LLM``) and from `register()` itself (so a bad name can never be
+  silently ignored inside the engine). A fault option a fault module reads must be in
+  `spec.ENV_OPTIONS` and its fault's ``options``, or every suite using it is refused.
 - `register()` is idempotent per process: patches are applied once.
 - In each process that patches, the fault logs "diffcheck fault <name> active from
   decode step N in pid P" and appends a "patched" line to DIFFCHECK_FAULT_MARKER; the
