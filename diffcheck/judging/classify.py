@@ -37,6 +37,7 @@ path; only the others are judged one by one (`_Judge`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -399,10 +400,9 @@ class _Judge:
     def signals(self, i: int, t: int, cand_nll, scored_nll, mu0: float, off_floor: bool) -> list[_Signal]:
         """Garbage signals on the candidate's steps from t* on (and the forced path).
 
-        `off_floor`: the distributions (forced path, or the same-context steps up to
-        t*) are beyond what this candidate may cost (its floor, or its precision
-        budget). A loop fires only then: small models loop on their own at
-        temperature 0.7, and a clean sampling flip can start one."""
+        `off_floor`: the same-context distributions are beyond what this candidate
+        may cost (its floor, or its precision budget); it decides a loop when there
+        is no forced replay."""
         tol, sigs = self.tol, []
         cl = int(self.alignment.candidate_len[i])
         has_text = cl > t
@@ -431,6 +431,15 @@ class _Judge:
                 sigs.append(_Signal("candidate self-NLL CUSUM", on, True, True, (
                     f"candidate's own NLL {_mean(x[cp.onset:]):.1f} nats/token from step {on} on vs {mu0:.1f} "
                     f"for the reference's own text (no scored run; CUSUM alarm at step {t + cp.alarm})")))
+        # A loop is not plausible text, however low the reference scores it. It is garbage
+        # when the model is off the reference's path from there on: a persistent departure
+        # of the forced path, or without one the same-context steps beyond what this
+        # candidate may cost. Alone (a degraded model loops too, and so do small models at
+        # temperature 0.7) it is evidence for DEGRADED, not GIBBERISH.
+        forced_departure = None
+        if self.forced_path is not None and self.forced_path.agg.n_departed[i]:
+            forced_departure = _departure(self.forced_path.of(i), tol, what="forced replay", name="forced replay",
+                                          trigger_ok=False)
         loop = None
         if has_text:
             cand_tokens = self.candidate.sequence(i).token_id.tolist()
@@ -438,9 +447,8 @@ class _Judge:
             loop = _loop(cand_tokens, ref_tokens, t, tol)
         if loop is not None:
             on, frac, ref_frac = loop
-            # A loop is not plausible text, however low the reference scores it: it is
-            # garbage when the distributions are off too.
-            sigs.append(_Signal("repetition loop", on, off_floor, True, (
+            trigger = forced_departure is not None if self.forced_path is not None else off_floor
+            sigs.append(_Signal("repetition loop", on, trigger, True, (
                 f"repetition loop: {frac:.0%} of the {tol.loop_ngram}-grams from step {on} on repeat earlier ones "
                 f"(reference {ref_frac:.0%} over the same steps)")))
         if has_text and self.metrics[i]:
@@ -453,10 +461,11 @@ class _Judge:
         # departures need marked steps: the vectorized counts skip most sequences.
         # The reference's scoring may not veto a forced path this far off unless the
         # text reads as plausible prose (no loop).
-        if self.forced_path is not None and self.forced_path.agg.n_departed[i]:
-            sig = _departure(self.forced_path.of(i), tol, what="forced replay", name="forced replay",
-                             trigger_ok=has_text and (self.scored is None or loop is not None))
-            sigs += [sig] if sig is not None else []
+        if forced_departure is not None:
+            strong = _mean(np.abs(self.forced_path.of(i).dlogprob)[forced_departure.onset:]) >= \
+                tol.forced_gibberish_dlogprob
+            trigger = has_text and strong and (self.scored is None or loop is not None)
+            sigs.append(dataclasses.replace(forced_departure, trigger=trigger))
         if self.before.agg.n_departed[i]:
             sig = _departure(self.before.of(i), tol, what="before t*", name="same-context steps before t*",
                              trigger_ok=False)
