@@ -28,6 +28,7 @@ PROMISED = {
     "cases": ["check", "list", "show"],
     "compare": [],
     "golden": ["record", "show", "verify"],
+    "init": [],
     "kernels": [],
     "ledger": [],
     "model": ["prepare"],

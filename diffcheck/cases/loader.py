@@ -16,11 +16,14 @@ from diffcheck.cases.schema import (_is_file, _read_toml, _ID, _VAR, _Errors, _S
 
 
 def _default_cases_dir() -> Path:
-    return Path(os.environ.get("DIFFCHECK_CASES") or "cases")
+    from diffcheck import config
+
+    return config.cases_dir()
 
 
 def cases_dir() -> Path:
-    """Where suites live: $DIFFCHECK_CASES, else ./cases."""
+    """Where the project's suites live: $DIFFCHECK_CASES, else [tool.diffcheck] cases, else ./cases
+    (`diffcheck.config`)."""
     return _default_cases_dir()
 
 
@@ -34,16 +37,26 @@ def _suite_path(name_or_path: str | Path, folder: Path | None) -> Path:
     text = str(name_or_path)
     if text.endswith(".toml") or os.sep in text or "/" in text:
         return Path(text)
+    from diffcheck import config
+
     folder = Path(folder) if folder is not None else _default_cases_dir()
-    path = folder / f"{text}.toml"
-    if not _is_file(path):
+    found = config.suite_file(text, folder)  # the project's suite, else the one shipped with diffcheck
+    if found is None:
+        path = folder / f"{text}.toml"
         known = list_suites(folder)
-        raise _Errors(path)(None, f"no such suite {_q(text)} (available: {', '.join(known) or 'none'})")
-    return path
+        shipped = config.shipped_suites()
+        raise _Errors(path)(None, f"no such suite {_q(text)} (available: {', '.join(known) or 'none'})"
+                                  + (f"; diffcheck ships {', '.join(shipped)}" if shipped else ""))
+    return found
 
 
-def load_suite(name_or_path: str | Path = DEFAULT_SUITE, *, cases_dir: Path | None = None) -> Suite:
-    """A suite by name (``cases/<name>.toml``) or by path; refused whole on any error."""
+def load_suite(name_or_path: str | Path | None = None, *, cases_dir: Path | None = None) -> Suite:
+    """A suite by name (``<cases>/<name>.toml``, else the suite of that name shipped with diffcheck)
+    or by path; refused whole on any error. None: the project's default suite (`diffcheck.config`)."""
+    if name_or_path is None:
+        from diffcheck import config
+
+        name_or_path = config.default_suite()
     path = _suite_path(name_or_path, cases_dir)
     return parse_suite(_read_toml(path), path=path)
 

@@ -17,6 +17,7 @@ from diffcheck import __version__
 from diffcheck.errors import DiffcheckError
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "init": ("diffcheck.cli.init", "Scaffold cases/ (a starter suite) and goldens/ in this repository."),
     "cases": ("diffcheck.cli.cases", "Inspect and validate case suites."),
     "model": ("diffcheck.cli.model", "Prepare models (registry package -> safetensors)."),
     "golden": ("diffcheck.cli.golden", "Record, verify and show reference goldens."),

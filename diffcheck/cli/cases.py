@@ -11,14 +11,17 @@ import json
 
 import click
 
-_SUITE_HELP = "Suite name (cases/<name>.toml) or path to a suite file. Default: default."
+from diffcheck.cli.common import SUITE_DEFAULT_TEXT, default_suite
+
+_SUITE_HELP = "Suite name (<cases>/<name>.toml, or shipped with diffcheck) or path to a suite file."
 
 
 @click.group(name="cases")
 def cases():
-    """Inspect and validate case suites (cases/<suite>.toml).
+    """Inspect and validate case suites (<cases>/<suite>.toml).
 
-    The folder is $DIFFCHECK_CASES, else ./cases.
+    The folder is $DIFFCHECK_CASES, else [tool.diffcheck] cases in the nearest
+    pyproject.toml, else ./cases.
     """
 
 
@@ -34,7 +37,7 @@ def list_(suite):
 
     names = [suite] if suite else lang.list_suites()
     if not names:
-        raise ConfigError(f"no suites in {lang.cases_dir()}/ (run from the repository root or set DIFFCHECK_CASES)")
+        raise ConfigError(f"no suites in {lang.cases_dir()}/ (run `diffcheck init`, or set [tool.diffcheck] cases or DIFFCHECK_CASES)")
     console = Console()
     for name in names:
         loaded = lang.load_suite(name)
@@ -50,7 +53,7 @@ def list_(suite):
 
 @cases.command(name="show")
 @click.argument("case_id")
-@click.option("--suite", "-s", default="default", show_default=True, help=_SUITE_HELP)
+@click.option("--suite", "-s", default=default_suite, show_default=SUITE_DEFAULT_TEXT, help=_SUITE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def show(case_id, suite, as_json):
     """Show CASE_ID's resolved config and how it differs from its references."""
@@ -95,7 +98,7 @@ def check(targets):
 
     names = list(targets) or lang.list_suites()
     if not names:
-        raise ConfigError(f"no suites in {lang.cases_dir()}/ (run from the repository root or set DIFFCHECK_CASES)")
+        raise ConfigError(f"no suites in {lang.cases_dir()}/ (run `diffcheck init`, or set [tool.diffcheck] cases or DIFFCHECK_CASES)")
     failed = 0
     for name in names:
         try:

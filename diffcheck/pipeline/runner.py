@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +26,10 @@ Echo = Callable[[str], None]
 
 
 def goldens_root(root: str | Path | None = None) -> Path:
-    return Path(root or os.environ.get("DIFFCHECK_GOLDENS") or "goldens")
+    """`root` (``--goldens``) if given, else $DIFFCHECK_GOLDENS, [tool.diffcheck] goldens, ./goldens."""
+    from diffcheck import config
+
+    return config.goldens_dir(root)
 
 
 def open_engine(case, *, verbose: bool = False):
