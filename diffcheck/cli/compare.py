@@ -63,7 +63,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
 
     from rich.console import Console
 
-    from diffcheck import cases
+    from diffcheck import api, cases
     from diffcheck.storage import ledger, store
     from diffcheck.pipeline import runner
     from diffcheck.errors import DiffcheckError
@@ -78,8 +78,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
                 status.update(msg)
                 console.log(msg)
 
-            comparison = runner.compare(s, case_id, root=root, run_file=Path(run_file) if run_file else None,
-                                        verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
+            comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
+                                          verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
     except DiffcheckError as exc:
         if bisect_codes and exc.exit_code == 3:
             exc.exit_code = 125

@@ -26,7 +26,7 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
 
     from rich.console import Console
 
-    from diffcheck import cases
+    from diffcheck import api, cases
     from diffcheck.pipeline import runner
 
     s = cases.load_suite(suite)
@@ -42,9 +42,9 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
                 status.update(f"[{_n}/{len(todo)}] {msg}")
                 console.log(msg)
 
-            res = runner.record_golden(case, root=root, update=update, force=force,
-                                       check_determinism=check_determinism,
-                                       verbose=ctx.obj.get("verbose", False), echo=echo)
+            res = api.record_golden(case, goldens=root, update=update, force=force,
+                                    check_determinism=check_determinism,
+                                    verbose=ctx.obj.get("verbose", False), echo=echo)
         rows.append(res)
         extra = f" ({res.message})" if res.message else ""
         click.echo(f"{res.status:10s} {case.id:6s} {res.digest[:16]}  {res.path}  {time.perf_counter() - t0:.1f}s{extra}")

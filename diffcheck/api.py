@@ -1,0 +1,160 @@
+"""diffcheck's Python API: record goldens, compare runs or cases, read, write and export runs.
+
+Everything here is re-exported from the package (``diffcheck.compare`` ...), lazily:
+``import diffcheck`` imports none of numpy, pyarrow, torch or vLLM. The CLI and the
+pytest plugin (`diffcheck.pytest_plugin`) are built on these functions.
+
+Comparing two recorded runs needs no engine and no suite::
+
+    import diffcheck
+
+    golden = diffcheck.read_run("goldens/default/J.parquet")
+    verdict = diffcheck.compare(golden, "goldens/default/O.run.parquet")
+    if not verdict:                      # a CaseVerdict is truthy when it passes
+        print(verdict)                   # "O vs J: DEGRADED (seq 2 t*=17)"
+        print(verdict.sequences[2].evidence[0])
+
+Cases of a suite (engines, ledger, floors, as ``diffcheck golden record`` and
+``diffcheck compare`` run them)::
+
+    diffcheck.record_golden("J")                         # the project's default suite
+    result = diffcheck.compare_case("S1", suite="default")
+    result.verdict, result.verdicts                      # worst verdict, one CaseVerdict per reference
+
+What passes is `diffcheck.judging.policy`'s decision (IDENTICAL, BENIGN_DRIFT and
+WITHIN_BUDGET pass); errors are `diffcheck.errors.DiffcheckError`s with one-line messages.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from diffcheck.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diffcheck.cases import Case, Suite
+    from diffcheck.judging.classify import Tolerances
+    from diffcheck.judging.floor import Floor
+    from diffcheck.pipeline.runner import Comparison, GoldenResult
+    from diffcheck.types import CaseVerdict, Run
+
+PathLike = str | os.PathLike
+Echo = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    """The default progress callback: a library prints nothing."""
+
+
+def read_run(path: PathLike, *, verify: bool = True) -> Run:
+    """Read a run file (a golden, a recorded run, a forced or scored run), checked against its
+    folder's MANIFEST.json unless ``verify=False``. Raises `DataError` naming the file."""
+    from diffcheck.storage import store
+
+    return store.read_run(path, verify=verify)
+
+
+def write_run(path: PathLike, run: Run) -> str:
+    """Write `run` atomically as a golden-format Parquet file, record it in the folder's
+    MANIFEST.json, and return its content digest (blake3)."""
+    from diffcheck.storage import store
+
+    return store.write_run(path, run)
+
+
+def _run(value: Run | PathLike, what: str) -> Run:
+    from diffcheck.types import Run
+
+    if isinstance(value, Run):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return read_run(value)
+    raise ConfigError(f"compare: {what} must be a diffcheck Run or the path of a run file, got {type(value).__name__}")
+
+
+def compare(reference_run: Run | PathLike, candidate_run: Run | PathLike, *, forced: Run | PathLike | None = None,
+            scored: Run | PathLike | None = None, floor: Floor | None = None,
+            tolerances: Tolerances | Mapping[str, Any] | None = None) -> CaseVerdict:
+    """Judge `candidate_run` against `reference_run`, sequence by sequence; no engine runs.
+
+    Each argument is a `Run` or the path of a run file. `forced`: the candidate teacher-forced
+    along the reference (kind ``forced``); `scored`: the reference's logprobs of the candidate's
+    tokens (kind ``scored``); both sharpen the verdict past the first divergence. `floor`: the
+    reference's noise floor (`diffcheck.Floor`, e.g. from `diffcheck.judging.floor.build_floor`);
+    without one, margins sit at diffcheck's resolution. `tolerances`: a `Tolerances` or a dict of
+    its fields (as in a case's ``[tolerances]`` table).
+
+    Returns one `CaseVerdict`: truthy when it passes (`diffcheck.judging.policy`), its worst
+    sequence's verdict in ``.verdict``, per-sequence t*, onset, evidence and statistics in
+    ``.sequences``.
+    """
+    from diffcheck.judging import classify
+    from diffcheck.pipeline.runner import with_quality
+
+    reference, candidate = _run(reference_run, "reference_run"), _run(candidate_run, "candidate_run")
+    if tolerances is None:
+        tol = classify.Tolerances()
+    elif isinstance(tolerances, classify.Tolerances):
+        tol = tolerances
+    elif isinstance(tolerances, Mapping):
+        tol = classify.Tolerances.from_dict(dict(tolerances), source="compare(tolerances=...)")
+    else:
+        raise ConfigError(f"compare: tolerances must be a Tolerances or a dict of its fields, "
+                          f"got {type(tolerances).__name__}")
+    verdict = classify.compare_runs(
+        reference, candidate,
+        forced=_run(forced, "forced") if forced is not None else None,
+        scored=_run(scored, "scored") if scored is not None else None,
+        tolerances=tol, floor=floor,
+        candidate_id=candidate.meta.case_id, reference_id=reference.meta.case_id,
+    )
+    return with_quality(verdict, candidate)
+
+
+def _suite(suite: str | PathLike | Suite | None) -> Suite:
+    from diffcheck import cases
+
+    if isinstance(suite, cases.Suite):
+        return suite
+    return cases.load_suite(suite)
+
+
+def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, goldens: PathLike | None = None,
+                 run_file: PathLike | None = None, force: bool = False, verbose: bool = False,
+                 echo: Echo | None = None) -> Comparison:
+    """Run candidate `case_id` of `suite` and judge it against each of its references' goldens and
+    noise floors, as ``diffcheck compare`` does (ledger reuse, forced replay, reference scoring).
+
+    `suite`: a name, a path or a loaded `Suite` (default: the project's, `diffcheck.config`);
+    `goldens`: the goldens root (default: the project's); `run_file`: judge that recorded run
+    instead of starting an engine; `force`: run again even if the ledger holds an identical run;
+    `echo`: a progress callback (default: silent). Returns a `Comparison`: ``.verdicts`` (one
+    `CaseVerdict` per reference), ``.verdict`` (the worst), ``.candidate`` and ``.goldens``.
+    An engine failure is an ERROR verdict, not an exception.
+    """
+    from diffcheck.pipeline import runner
+
+    return runner.compare(_suite(suite), case_id, root=runner.goldens_root(goldens),
+                          run_file=Path(run_file) if run_file is not None else None, verbose=verbose,
+                          force=force, echo=echo or _quiet)
+
+
+def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = None,
+                  goldens: PathLike | None = None, update: bool = False, force: bool = False,
+                  check_determinism: bool = False, verbose: bool = False, echo: Echo | None = None) -> GoldenResult:
+    """Record reference `case`'s golden (an id of `suite`, or a loaded `Case`), as
+    ``diffcheck golden record`` does.
+
+    An up-to-date golden (same config, engine and model) is left alone unless `force`; one
+    whose content would change is refused unless `update`. `check_determinism` generates
+    twice and refuses a reference that is not reproducible. Returns a `GoldenResult`
+    (``.status``: recorded, unchanged, up to date or updated; ``.path``; ``.digest``).
+    """
+    from diffcheck import cases
+    from diffcheck.pipeline import runner
+
+    resolved = case if isinstance(case, cases.Case) else cases.get_case(_suite(suite), case)
+    return runner.record_golden(resolved, root=runner.goldens_root(goldens), update=update, force=force,
+                                check_determinism=check_determinism, verbose=verbose, echo=echo or _quiet)
