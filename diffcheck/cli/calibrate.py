@@ -64,6 +64,7 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
                 status.update(msg)
                 console.log(msg)
 
-            floor = cal.calibrate(case, root=root, golden=golden, verbose=ctx.obj.get("verbose", False), echo=echo)
+            floor = cal.calibrate(case, root=root, golden=golden, perturbations=cal.perturbations_for(s, ref_id),
+                                  verbose=ctx.obj.get("verbose", False), echo=echo)
         click.echo(f"{ref_id}: {floor.describe()}")
     return 0

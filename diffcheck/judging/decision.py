@@ -80,7 +80,7 @@ def z_value(alpha: float, tests: int = 1) -> float:
     return _N.inv_cdf(1.0 - alpha / max(tests, 1))
 
 
-def test_effect(name: str, values: np.ndarray, *, margin: float, sigma_floor: float, alpha: float,
+def effect_test(name: str, values: np.ndarray, *, margin: float, sigma_floor: float, alpha: float,
                 beta: float, tests: int) -> Effect:
     """One-sided test of mean(values) > margin at level alpha/tests."""
     x = values.astype(np.float64)
@@ -118,12 +118,12 @@ def decide(kl: np.ndarray, dlogprob: np.ndarray, *, floor: Floor, factor: float,
     m_kl, m_loss = margins(floor, factor=factor, kl_resolution=kl_resolution, loss_resolution=loss_resolution)
     loss = -dlogprob.astype(np.float64)
     common = dict(alpha=alpha, beta=beta, tests=tests)
-    amount = test_effect("KL", kl, margin=m_kl, sigma_floor=floor.kl_block_sd, **common)
-    direction = test_effect("loss", loss, margin=m_loss, sigma_floor=floor.loss_block_sd, **common)
+    amount = effect_test("KL", kl, margin=m_kl, sigma_floor=floor.kl_block_sd, **common)
+    direction = effect_test("loss", loss, margin=m_loss, sigma_floor=floor.loss_block_sd, **common)
     if budget is None:
         return amount, direction, None, None
-    b_amount = test_effect("KL", kl, margin=max(budget.kl, m_kl), sigma_floor=floor.kl_block_sd, **common)
-    b_loss = test_effect("loss", loss, margin=max(budget.loss, m_loss), sigma_floor=floor.loss_block_sd, **common)
+    b_amount = effect_test("KL", kl, margin=max(budget.kl, m_kl), sigma_floor=floor.kl_block_sd, **common)
+    b_loss = effect_test("loss", loss, margin=max(budget.loss, m_loss), sigma_floor=floor.loss_block_sd, **common)
     return amount, direction, b_amount, b_loss
 
 

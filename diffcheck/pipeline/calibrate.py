@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from diffcheck.errors import ConfigError, DataError
-from diffcheck.judging.floor import Floor, build_floor
+from diffcheck.judging.floor import Floor, build_floor, precision_spec
 from diffcheck.storage import store
 from diffcheck.types import Run
 
@@ -44,6 +44,18 @@ PERTURBATIONS = (
 )
 
 
+def perturbations_for(suite, reference_id: str, *, exclude_tags=("slow", "gpu")) -> tuple[Perturbation, ...]:
+    """The default perturbations, plus one per tensor-parallel size that a candidate of the
+    suite judged against this reference runs at: parallelism changes the reduction order,
+    so a TP candidate is judged against a floor that covers its TP size too."""
+    ref = suite.cases[reference_id]
+    own = ref.engine.tensor_parallel_size or 1
+    sizes = sorted({c.engine.tensor_parallel_size or 1 for c in suite.cases.values()
+                    if reference_id in c.references and not set(exclude_tags) & set(c.tags)} - {own})
+    return PERTURBATIONS + tuple(Perturbation(f"tp{n}", f"tensor parallel {n}", {"tensor_parallel_size": n})
+                                 for n in sizes)
+
+
 def replica_path(root: Path, suite: str, reference_id: str, name: str) -> Path:
     base = store.run_path(root, suite, reference_id)  # validates the names
     if not name.replace("-", "").replace("_", "").isalnum():
@@ -61,11 +73,16 @@ def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[
     """The reference's floor from its stored replicas, and notes on any left out."""
     replicas, notes = {}, []
     digest = store.content_digest(golden)
+    spec = precision_spec(golden)
     for name, path in replica_files(root, suite, reference_id).items():
         run = store.read_run(path)
         if run.meta.kind == "forced" and run.meta.source.get("golden_digest") != digest:
             notes.append(f"floor replica {path.name} was forced along an older golden of {reference_id}: "
                          f"left out (run `diffcheck calibrate {reference_id}`)")
+            continue
+        if precision_spec(run) != spec:  # a floor is keyed by (model, precision spec)
+            notes.append(f"floor replica {path.name} has another precision spec than {reference_id} "
+                         f"({precision_spec(run)} vs {spec}): left out")
             continue
         replicas[name] = run
     floor = build_floor(golden, replicas)
