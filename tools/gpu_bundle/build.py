@@ -104,11 +104,11 @@ class Target:
         return args
 
 
-# The H200 image (vllm-facts.md, the device's KINDS.md package list, 2026-11). Versions
+# The H200 image (seen on the device, 2026-11). Versions
 # where they were read there; a bare name means "present, version not read".
 DEFAULT_BASE_PACKAGES = """\
 # python 3.12.3 at /opt/torch/.venv/bin/python3 (torch 2.11.0+cu130, Triton 3.6): the device's
-# KINDS.md package list read 2026-11-17, versions from its pip list where one was read.
+# package list read on the device 2026-11-17, versions from its pip list where one was read.
 absl-py accelerate==1.15.0 aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch==0.18.1 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
 cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x==14.2.0 cycler cython diffrax e3nn einops
