@@ -158,3 +158,48 @@ def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = No
     resolved = case if isinstance(case, cases.Case) else cases.get_case(_suite(suite), case)
     return runner.record_golden(resolved, root=runner.goldens_root(goldens), update=update, force=force,
                                 check_determinism=check_determinism, verbose=verbose, echo=echo or _quiet)
+
+
+def run_from_vllm(outputs: Any, *, case_id: str = "vllm", suite: str = "", role: str = "candidate") -> Run:
+    """vLLM's ``LLM.generate`` results (a list of ``vllm.RequestOutput``) as a diffcheck `Run`.
+
+    One sequence per completion, in order: prompt ``i`` (completion ``j`` when ``n > 1``) gets
+    the prompt id ``"i"`` (``"i.j"``). Each step keeps the generated token, its logprob and the
+    top-k list vLLM returned; the requests must ask for them (``SamplingParams(logprobs=K)``,
+    K >= 1; diffcheck's suites use 20). K is the smallest number of entries at any step (vLLM
+    returns the top K plus the sampled token when that falls outside them).
+    """
+    import datetime
+    import sys
+
+    from diffcheck import __version__
+    from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs  # the offline engine's own conversion
+    from diffcheck.types import Run, RunMeta, SequenceInfo
+
+    if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
+        raise ConfigError(f"expected a list of vllm.RequestOutput (LLM.generate's result), got {type(outputs).__name__}")
+    completions = []
+    for i, out in enumerate(outputs):
+        if not hasattr(out, "outputs") or not hasattr(out, "prompt_token_ids"):
+            raise ConfigError(f"output {i}: expected a vllm.RequestOutput, got {type(out).__name__}")
+        for j, comp in enumerate(out.outputs):
+            pid = str(i) if len(out.outputs) == 1 else f"{i}.{j}"
+            if comp.token_ids and comp.logprobs is None:
+                raise ConfigError(f"output {i}: no logprobs; generate with SamplingParams(logprobs=K), K >= 1 "
+                                  "(diffcheck's suites use 20)")
+            completions.append((pid, out, comp))
+    sizes = [len(entry) for _, _, comp in completions for entry in (comp.logprobs or ()) if entry]
+    k = max(1, min(sizes)) if sizes else 1
+    parts, seqs = [], []
+    for pid, out, comp in completions:
+        tokens = [int(t) for t in comp.token_ids]
+        parts.append(steps_from_logprobs(tokens, comp.logprobs, k))
+        seqs.append(SequenceInfo(prompt_id=pid, prompt_token_ids=tuple(int(t) for t in out.prompt_token_ids or ()),
+                                 text=comp.text, finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
+    vllm = sys.modules.get("vllm")
+    engine = {"name": "vllm", "version": getattr(vllm, "__version__", None)} if vllm is not None else {}
+    meta = RunMeta(suite=suite, case_id=case_id, role=role, kind="generate", engine=engine,
+                   sampling={"logprobs": k},
+                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   diffcheck_version=__version__)
+    return Run(meta=meta, sequences=tuple(seqs), steps=concat(parts, k))
