@@ -21,12 +21,17 @@ Cases of a suite (engines, ledger, floors, as ``diffcheck golden record`` and
     result = diffcheck.compare_case("S1", suite="default")
     result.verdict, result.verdicts                      # worst verdict, one CaseVerdict per reference
 
+Two more: `run_from_vllm` turns ``vllm.LLM.generate`` results into a `Run`, and `export_run`
+writes a run's logprobs as plain numbers (Parquet lists or CSV columns) for other tools.
+
 What passes is `diffcheck.judging.policy`'s decision (IDENTICAL, BENIGN_DRIFT and
 WITHIN_BUDGET pass); errors are `diffcheck.errors.DiffcheckError`s with one-line messages.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -203,3 +208,77 @@ def run_from_vllm(outputs: Any, *, case_id: str = "vllm", suite: str = "", role:
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    diffcheck_version=__version__)
     return Run(meta=meta, sequences=tuple(seqs), steps=concat(parts, k))
+
+
+EXPORT_FORMATS = ("parquet", "csv")
+
+
+def export_run(run: Run | PathLike, out: PathLike, *, format: str = "parquet") -> Path:  # noqa: A002
+    """Write a run's steps as plain numbers for other tools, atomically; return `out`.
+
+    One row per generated token, in sequence then step order: ``seq``, ``prompt_id``, ``step``,
+    ``token_id``, ``logprob`` (float32 nats; empty where vLLM gave none), then the top-k:
+
+    - ``parquet``: ``topk_ids`` (list<int32>) and ``topk_logprobs`` (list<float32>), rank order,
+      without the padding of short lists; the schema metadata names the source run
+      (``diffcheck.suite``, ``diffcheck.case_id``, ``diffcheck.kind``, ``diffcheck.content_blake3``).
+    - ``csv``: ``top1_id, top1_logprob, ..., topK_id, topK_logprob``; empty cells where a list is
+      shorter than K. Each logprob is written so that it reads back as the same float32.
+
+    The values are the stored ones: what `read_run` returns, no further rounding.
+    """
+    import numpy as np
+
+    from diffcheck.storage import store
+    from diffcheck.storage.manifest import atomic_write
+
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"export format {format!r} is not valid (valid: {', '.join(EXPORT_FORMATS)})")
+    source = _run(run, "run")
+    out = Path(out)
+    if isinstance(run, (str, os.PathLike)) and Path(run).resolve() == out.resolve():
+        raise ConfigError(f"{out}: the export would overwrite the run it reads; pass another --out")
+    st = source.steps
+    prompt_ids = np.repeat(np.array([s.prompt_id for s in source.sequences], dtype=object),
+                           [s.n_tokens for s in source.sequences])
+    present = st.topk_ids >= 0  # -1 pads a short top-k list
+    logprob = st.logprob.astype(np.float32)
+    if format == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        counts = present.sum(1)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        table = pa.table({
+            "seq": pa.array(st.seq, pa.int32()),
+            "prompt_id": pa.array(prompt_ids.tolist(), pa.string()),
+            "step": pa.array(st.step, pa.int32()),
+            "token_id": pa.array(st.token_id, pa.int32()),
+            "logprob": pa.array(logprob, pa.float32(), mask=np.isnan(logprob)),
+            "topk_ids": pa.ListArray.from_arrays(offsets, pa.array(st.topk_ids[present], pa.int32())),
+            "topk_logprobs": pa.ListArray.from_arrays(offsets, pa.array(st.topk_logprobs[present], pa.float32())),
+        })
+        table = table.replace_schema_metadata({
+            "diffcheck.suite": source.meta.suite, "diffcheck.case_id": source.meta.case_id,
+            "diffcheck.kind": source.meta.kind, "diffcheck.content_blake3": store.content_digest(source)})
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        data = buf.getvalue()
+    else:
+        def number(value: np.float32) -> str:
+            return "" if np.isnan(value) else repr(float(value))  # float32 -> float64 is exact
+
+        k = st.k
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerow(["seq", "prompt_id", "step", "token_id", "logprob"]
+                        + [f"top{j + 1}_{what}" for j in range(k) for what in ("id", "logprob")])
+        for i in range(len(st)):
+            row = [int(st.seq[i]), prompt_ids[i], int(st.step[i]), int(st.token_id[i]), number(logprob[i])]
+            for j in range(k):
+                row += ([int(st.topk_ids[i, j]), number(st.topk_logprobs[i, j])] if present[i, j] else ["", ""])
+            writer.writerow(row)
+        data = text.getvalue().encode()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, data)
+    return out

@@ -27,7 +27,7 @@ PROMISED = {
     "bisect": [],
     "cases": ["check", "list", "show"],
     "compare": [],
-    "golden": ["record", "show", "verify"],
+    "golden": ["export", "record", "show", "verify"],
     "init": [],
     "kernels": [],
     "ledger": [],

@@ -1,4 +1,4 @@
-"""`diffcheck golden record | verify | show`: the golden life cycle."""
+"""`diffcheck golden record | verify | show | export`: the golden life cycle."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from diffcheck.cli.common import goldens_option, suite_option
 
 @click.group(name="golden")
 def golden():
-    """Record, verify and show reference goldens."""
+    """Record, verify, show and export reference goldens."""
 
 
 @golden.command(name="record")
@@ -124,4 +124,38 @@ def show(case_id, suite, goldens, kind):
     console.print("hardware: " + json.dumps(m.hardware, sort_keys=True))
     if m.timings:
         console.print("timings: " + json.dumps({k: round(v, 3) for k, v in m.timings.items()}, sort_keys=True))
+    return 0
+
+
+@golden.command(name="export")
+@click.argument("target", metavar="FILE|ID")
+@suite_option
+@goldens_option
+@click.option("--format", "fmt", type=click.Choice(["parquet", "csv"]), default=None,
+              help="Output format (default: csv when --out ends in .csv, else parquet).")
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="File to write (atomically).")
+def export(target, suite, goldens, fmt, out):
+    """Write a golden (or any run file) as plain float logprobs for other tools.
+
+    FILE|ID: a run file, or a case id whose golden is read from the goldens root of
+    --suite. One row per step: seq, prompt_id, step, token_id, logprob, then the top-k
+    (parquet: topk_ids and topk_logprobs lists; csv: top1_id, top1_logprob, ... columns).
+    """
+    from pathlib import Path
+
+    from diffcheck import api, cases
+    from diffcheck.pipeline import runner
+    from diffcheck.storage import store
+
+    if target.endswith(".parquet") or "/" in target or Path(target).is_file():
+        source = Path(target)
+    else:
+        source = store.run_path(runner.goldens_root(goldens), cases.load_suite(suite).name, target)
+        if not source.exists():
+            runner.load_golden(source.parent.parent, source.parent.name, target)  # the one-line "no golden" error
+    fmt = fmt or ("csv" if out.lower().endswith(".csv") else "parquet")
+    run = api.read_run(source)
+    api.export_run(source, out, format=fmt)
+    click.echo(f"wrote {out} ({fmt}: {run.n_tokens} rows, {len(run.sequences)} sequences, top-{run.steps.k}) "
+               f"from {source}")
     return 0
