@@ -8,13 +8,14 @@ same forcing logits processor installed. Sides are interleaved (A, B, A, B, ...)
 for `rounds` rounds so that drift in machine load hits both; ratios are of medians.
 
 (a) Capture overhead: ``engine.generate()`` (top-20 logprobs, converted to Steps)
-    against the same prompts and sampling with logprobs off (``_sampling_params(
-    logprobs=None)`` through ``_run_llm``). "engine" times are the ``llm.generate``
+    against the same prompts and sampling with logprobs off
+    (``engine.time_generate(logprobs=False)``). "engine" times are the ``llm.generate``
     call only; "wall" times include prompt tokenization and, for A, the conversion of
     vLLM's logprob dicts into dense arrays.
 (b) Forced replay cost: ``engine.force(run)`` of the warm-up run's own tokens against
-    plain generation of the same per-sequence lengths (``ignore_eos=True``,
-    ``max_tokens`` = that sequence's length, top-20 logprobs too). Goal <= 1.2x.
+    plain generation of the same per-sequence lengths (``engine.time_generate(max_tokens=
+    ...)``: ``ignore_eos=True``, ``max_tokens`` = that sequence's length, top-20 logprobs
+    too). Goal <= 1.2x.
 
 What it does not measure: an engine without the forcing processor installed (that
 needs a second engine start); plain generation here already pays the processor's
@@ -111,10 +112,6 @@ def write_suite(folder: Path) -> Path:
     return path
 
 
-def _tokens(outputs) -> int:
-    return sum(len(o.outputs[0].token_ids) for o in outputs)
-
-
 def _generate_with_logprobs(engine) -> tuple[Timing, list[list[int]]]:
     t0 = time.perf_counter()
     run = engine.generate()
@@ -125,13 +122,9 @@ def _generate_with_logprobs(engine) -> tuple[Timing, list[list[int]]]:
 
 def _generate_without_logprobs(engine) -> tuple[Timing, list[list[int]]]:
     t0 = time.perf_counter()
-    inputs = [{"prompt_token_ids": ids} for ids in engine.prompt_token_ids()]
-    params = engine._sampling_params(logprobs=None)  # dropped: vLLM's default, no logprobs
-    t1 = time.perf_counter()
-    outputs = engine._run_llm(inputs, params, "benchmark generation without logprobs")
-    t2 = time.perf_counter()
-    ids = [list(o.outputs[0].token_ids) for o in outputs]
-    return Timing(t2 - t1, t2 - t0, _tokens(outputs)), ids
+    timed = engine.time_generate(logprobs=False)
+    wall = time.perf_counter() - t0
+    return Timing(timed.seconds, wall, timed.n_tokens), [list(ids) for ids in timed.token_ids]
 
 
 def _force(engine, reference) -> Timing:
@@ -144,15 +137,8 @@ def _force(engine, reference) -> Timing:
 def _generate_same_lengths(engine, reference) -> Timing:
     """Plain sampling with EOS ignored, each sequence capped at the reference's length."""
     t0 = time.perf_counter()
-    inputs, params = [], []
-    for i, seq in enumerate(reference.sequences):
-        if seq.n_tokens:
-            inputs.append({"prompt_token_ids": list(seq.prompt_token_ids)})
-            params.append(engine._sampling_params(max_tokens=seq.n_tokens, ignore_eos=True, min_tokens=0, stop=None))
-    t1 = time.perf_counter()
-    outputs = engine._run_llm(inputs, params, "benchmark generation of the same lengths")
-    t2 = time.perf_counter()
-    return Timing(t2 - t1, t2 - t0, _tokens(outputs))
+    timed = engine.time_generate(max_tokens=[seq.n_tokens for seq in reference.sequences])
+    return Timing(timed.seconds, time.perf_counter() - t0, timed.n_tokens)
 
 
 def main(rounds: int = 3) -> dict:

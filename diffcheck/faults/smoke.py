@@ -2,14 +2,16 @@
 
 ``python -m diffcheck.faults.smoke --out results.json clean stale-decode-metadata ...``
 
-For each config (``clean`` or a DIFFCHECK_FAULT value) it sets the DIFFCHECK_FAULT*
-variables in this process's environment (vLLM spawns its engine core and worker
-from it, so they are set before those processes exist), builds ``vllm.LLM``, runs the
-smoke prompts greedily, reads back the fault's marker file and shuts the engine down
-before the next config starts: never two engines at once.
+Each config (``clean`` or a DIFFCHECK_FAULT value) becomes one case of a small
+generated suite whose env holds the DIFFCHECK_FAULT* variables (the engine sets them
+while vLLM spawns its engine core and worker, so they are set before those processes
+exist). Each case's engine is opened through the public engine API
+(`diffcheck.pipeline.runner.open_engine`), runs the smoke prompts greedily, and is
+closed before the next config starts: never two engines at once. Then the fault's
+marker file is read back.
 
 When ``clean`` is among the configs it runs last, and its engine also scores every
-other config's output with prompt logprobs (prefill, the clean model): the mean
+other config's output (`score`: prompt logprobs, prefill, the clean model): the mean
 negative log-likelihood per token of the output after decode step N says how much
 worse a fault's text is, even where it stays fluent.
 
@@ -19,7 +21,6 @@ Used by tests/test_faults_engine.py; knows nothing about goldens or verdicts.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -35,10 +36,9 @@ SMOKE_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
     "Explain how a bicycle works.",  # ends at EOS before 48 tokens: the batch shrinks mid-run
 )
-# Engine settings known to work on the 2-core CPU lane (vllm-facts.md); the 1 GiB KV
+# Engine settings known to work on the 2-core CPU lane (docs/model.md); the 1 GiB KV
 # cache (VLLM_CPU_KVCACHE_SPACE) instead of vLLM's memory fraction: the machine is shared.
-ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
-KV_CACHE_GIB = "1"
+ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "seed": 0, "kv_cache_memory_gib": 1}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class SmokeResult:
     finish_reasons: list[str]
     marker_events: list[dict]
     driver_pid: int
-    start_s: float  # LLM() construction
+    start_s: float  # engine start (open_engine)
     generate_s: float
     # Mean NLL (nats/token) under the clean model of output tokens after decode step N,
     # per sequence; filled when a `clean` config ran in the same smoke run.
@@ -73,103 +73,108 @@ def _set_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _chat_prompts(llm) -> list[str]:
-    tokenizer = llm.get_tokenizer()
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in SMOKE_PROMPTS
-    ]
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))  # a TOML basic string
 
 
-def _shutdown(llm) -> None:
-    # Explicit: waiting for the garbage collector could leave two engines alive at once.
-    llm.llm_engine.engine_core.shutdown()
+def write_suite(workdir: Path, model: str, envs: dict[str, dict[str, str]], *, max_tokens: int) -> Path:
+    """A suite with one case per config (ids c0, c1, ... in `envs` order): greedy, the smoke prompts."""
+    prompts = workdir / "smoke-prompts.toml"
+    prompts.write_text("".join(f"[[prompt]]\nid = \"p{i}\"\ntext = {_toml(text)}\n\n"
+                               for i, text in enumerate(SMOKE_PROMPTS)))
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": 0, "logprobs": 1}
+    lines = ['[suite]', 'name = "fault-smoke"', 'description = "faults inside a real engine, one case per config"',
+             '', '[defaults]', f"model = {_toml(model)}", f"prompts = {_toml(prompts)}",
+             f"sampling = {_toml(sampling)}", f"engine = {_toml(ENGINE)}", '']
+    for i, (config, env) in enumerate(envs.items()):
+        lines += [f"[cases.c{i}]", 'role = "reference"', f"description = {_toml(config)}", f"env = {_toml(env)}", '']
+    path = workdir / "fault-smoke.toml"
+    path.write_text("\n".join(lines))
+    return path
 
 
-def _score(llm, prompt_ids: list[list[int]], outputs: list[list[int]], *, step: int) -> list[float | None]:
-    """Mean NLL (nats/token, clean model) of output tokens with index > step; None if there are none."""
-    from vllm import SamplingParams
-
-    requests, spans = [], []
-    for prompt, output in zip(prompt_ids, outputs):
-        tail = output[step + 1 :]
-        spans.append((len(prompt) + step + 1, len(tail)))
-        requests.append({"prompt_token_ids": list(prompt) + list(output)})
-    scored = llm.generate(requests, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+def _nll_after_step(scored, *, step: int) -> list[float | None]:
+    """Mean NLL (nats/token, the scoring model) of each sequence's tokens with index > step; None if none."""
     means: list[float | None] = []
-    for result, (start, count) in zip(scored, spans):
-        if count == 0:
-            means.append(None)
-            continue
-        ids = result.prompt_token_ids
-        nll = [-result.prompt_logprobs[i][ids[i]].logprob for i in range(start, start + count)]
-        means.append(sum(nll) / count)
+    for i in range(len(scored.sequences)):
+        tail = scored.sequence(i).logprob[step + 1 :]
+        means.append(float(-tail.astype("float64").mean()) if len(tail) else None)
     return means
 
 
 @dataclass(frozen=True)
 class _EngineRun:
     result: SmokeResult
+    run: object  # the generated diffcheck Run, for the clean engine to score
     scores: dict[str, list[float | None]]  # other config -> its nll_after_step under this engine
 
 
-def run_config(model: str, config: str, *, step: int, max_tokens: int, workdir: Path,
-               score: dict[str, list[list[int]]] | None = None) -> _EngineRun:
-    """One engine for `config`; if `score` is given, this engine also scores those outputs."""
-    from vllm import LLM, SamplingParams
+def run_config(case, config: str, *, step: int, marker: Path, score: dict[str, object] | None = None) -> _EngineRun:
+    """One engine for `config`'s case; if `score` (config -> Run) is given, this engine also scores those."""
+    from diffcheck.pipeline import runner
 
-    from diffcheck.faults import validate_env
-
-    marker = workdir / f"marker-{config.replace(':', '_')}.jsonl"
-    env = _fault_env(config, step=step, marker=str(marker))
-    validate_env(env)  # a bad name fails here, before an engine starts
-    _set_env(env)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
-    try:
-        t0 = time.monotonic()
-        llm = LLM(model=model, **ENGINE_KWARGS)
-        try:
-            t1 = time.monotonic()
-            prompts = _chat_prompts(llm)
-            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-            t2 = time.monotonic()
-            token_ids = [list(o.outputs[0].token_ids) for o in outs]
-            prompt_ids = [list(o.prompt_token_ids) for o in outs]
-            scores = {name: _score(llm, prompt_ids, ids, step=step) for name, ids in (score or {}).items()}
-            own_nll = _score(llm, prompt_ids, token_ids, step=step) if score else []
-        finally:
-            _shutdown(llm)
-            del llm
-            gc.collect()
-    finally:
-        _set_env({})
+    t0 = time.monotonic()
+    with runner.open_engine(case) as engine:
+        t1 = time.monotonic()
+        run = engine.generate()
+        t2 = time.monotonic()
+        scores = {name: _nll_after_step(engine.score(other), step=step) for name, other in (score or {}).items()}
+        own_nll = _nll_after_step(engine.score(run), step=step) if score else []
     events = [json.loads(line) for line in marker.read_text().splitlines()] if marker.exists() else []
     result = SmokeResult(
         config=config,
-        token_ids=token_ids,
-        texts=[o.outputs[0].text for o in outs],
-        finish_reasons=[str(o.outputs[0].finish_reason) for o in outs],
+        token_ids=[run.sequence(i).token_id.tolist() for i in range(len(run.sequences))],
+        texts=[s.text for s in run.sequences],
+        finish_reasons=[s.finish_reason for s in run.sequences],
         marker_events=events,
         driver_pid=os.getpid(),
         start_s=round(t1 - t0, 2),
         generate_s=round(t2 - t1, 2),
         nll_after_step=own_nll,
     )
-    return _EngineRun(result=result, scores=scores)
+    return _EngineRun(result=result, run=run, scores=scores)
 
 
 def run_all(model: str, configs: list[str], *, step: int, max_tokens: int) -> list[SmokeResult]:
     """Each config in its own engine, sequentially; `clean` last so it can score the others."""
+    from diffcheck import cases
+
     ordered = [c for c in configs if c != CLEAN] + [c for c in configs if c == CLEAN]
     results: list[SmokeResult] = []
+    runs: dict[str, object] = {}
+    _set_env({})  # only a case's own env selects a fault
     with tempfile.TemporaryDirectory(prefix="diffcheck-faults-") as tmp:
+        workdir = Path(tmp)
+        markers = {c: workdir / f"marker-{c.replace(':', '_')}.jsonl" for c in ordered}
+        envs: dict[str, dict[str, str]] = {}
+        refused: dict[str, Exception] = {}
         for config in ordered:
-            score = {r.config: r.token_ids for r in results if r.error is None} if config == CLEAN else None
             try:
-                run = run_config(model, config, step=step, max_tokens=max_tokens, workdir=Path(tmp), score=score)
+                envs[config] = _fault_env(config, step=step, marker=str(markers[config]))
+            except Exception as exc:  # a bad name fails here, before an engine starts
+                refused[config] = exc
+        try:
+            suite = cases.load_suite(write_suite(workdir, model, envs, max_tokens=max_tokens))
+        except Exception as exc:
+            refused.update({c: exc for c in envs})
+        case_ids = {config: f"c{i}" for i, config in enumerate(envs)}
+        for config in ordered:
+            score = dict(runs) if config == CLEAN else None
+            try:
+                if config in refused:
+                    raise refused[config]
+                run = run_config(suite.cases[case_ids[config]], config, step=step, marker=markers[config],
+                                 score=score)
                 results = [replace(r, nll_after_step=run.scores[r.config]) if r.config in run.scores else r
                            for r in results]
                 results.append(run.result)
+                runs[config] = run.run
             except Exception as exc:  # one broken config must not hide the others' results
                 message = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 results.append(SmokeResult(config=config, token_ids=[], texts=[], finish_reasons=[],

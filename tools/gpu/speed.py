@@ -1,4 +1,4 @@
-"""GPU speed table for docs-gpu.md, measured side by side in one process on one H200.
+"""GPU speed table for docs/gpu.md, measured side by side in one process on one H200.
 
 For each engine configuration of the gpu-h200 suite (J: eager, L: FULL decode graph
 without torch.compile, O: FULL decode graph with torch.compile), one engine at a time:
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 
@@ -30,15 +29,12 @@ def measure(case, golden, *, repeats: int) -> dict:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
                "effective": engine.info().get("effective", {}), "forcing_mechanism": engine.mechanism}
         engine.generate()  # warm-up
-        inputs = [{"prompt_token_ids": ids} for ids in engine.prompt_token_ids()]
-        for label, params in (("logprobs20", engine._sampling_params()),
-                              ("no_logprobs", engine._sampling_params(logprobs=None))):
+        for label, logprobs in (("logprobs20", True), ("no_logprobs", False)):
             times, tokens = [], 0
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                outputs = engine._run_llm(inputs, params, f"speed ({label})")
-                times.append(time.perf_counter() - t0)
-                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                timed = engine.time_generate(logprobs=logprobs)
+                times.append(timed.seconds)
+                tokens = timed.n_tokens
             best = min(times)
             row[label] = {"tokens": tokens, "seconds": times, "tokens_per_s": tokens / best}
         forced_times = []
