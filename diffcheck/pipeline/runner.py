@@ -37,7 +37,7 @@ def open_engine(case, *, verbose: bool = False):
     from diffcheck.engines import models
     from diffcheck.engines.vllm_offline import VllmOffline
 
-    model = models.resolve(case.model)
+    model = models.resolve_case(case)
     prompts = casesmod.load_prompts(case)
     return VllmOffline(case, model, prompts=prompts, verbose=verbose)
 
@@ -77,7 +77,7 @@ def golden_up_to_date(path: Path, case) -> str | None:
 
     from diffcheck.storage.identity import vllm_source_state  # does not import vllm
 
-    model = models.resolve(case.model)
+    model = models.resolve_case(case)
     engine = vllm_source_state()
     same = (
         meta.source.get("config_digest") == casesmod.config_digest(case)

@@ -131,7 +131,7 @@ def key_for(case, *, goldens: dict[str, Run] | None = None, state: dict[str, Any
     payload = {
         "config": casesmod.config_digest(case),
         "code": _code_identity(state if state is not None else code_state()),
-        "model": models.resolve(case.model).digest,
+        "model": models.resolve_case(case).digest,
         "goldens": {ref: store.content_digest(run) for ref, run in sorted(goldens.items())} if goldens else None,
     }
     return _digest(payload)
