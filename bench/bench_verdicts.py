@@ -163,7 +163,8 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    import json
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from run_all import record
 
-    json.dump(main(), sys.stdout, indent=1, default=str)
-    print()
+    t0 = time.perf_counter()
+    record("bench_verdicts", main(), time.perf_counter() - t0)

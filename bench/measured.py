@@ -20,6 +20,9 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_all import _scalars  # noqa: E402  (one flattening for the summary and this page)
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "measured.md"
 SELFTEST = ROOT / "reports" / "selftest.json"
@@ -64,11 +67,11 @@ def bench_sections() -> list[str]:
     out = ["## Benchmarks", "", "Command: `python bench/run_all.py` (`make bench`); one subprocess per benchmark.", ""]
     if data is None:
         return out + ["Not measured yet: run `make bench`.", ""]
-    out += [f"Measured {data['created']} on a {data['host']['cpu_count']}-core machine, Python "
-            f"{data['host']['python']}. Timings on a shared machine are noisy; ratios are measured side by side.", ""]
+    out += [f"On a {data['host']['cpu_count']}-core machine, Python {data['host']['python']}. Timings on a shared "
+            "machine are noisy; ratios are measured side by side.", ""]
     for name, entry in sorted(data["benchmarks"].items()):
         out += [f"### {name}", "", f"Command: `python bench/run_all.py {name.removeprefix('bench_')}` "
-                                   f"({entry['seconds']:.0f} s)", ""]
+                                   f"({entry['seconds']:.0f} s, {entry.get('created', '')})", ""]
         if not entry["ok"]:
             out += [f"Failed: {entry['error']}", ""]
             continue
@@ -96,17 +99,6 @@ def _verdicts(result: dict) -> list[str]:
         out.append(f"| {p['scale']} | {p['verdict']} | {seqs} | {_fmt(p['forced_kl_mean'])} | "
                    f"{_fmt(p['forced_loss_mean'])} |")
     return out + [""]
-
-
-def _scalars(result: dict, prefix: str = "") -> list[tuple[str, object]]:
-    rows = []
-    for key, value in result.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            rows += _scalars(value, prefix=f"{name}.")
-        elif isinstance(value, (int, float, str, bool)) or value is None:
-            rows.append((name, value))
-    return rows
 
 
 def gpu_section() -> list[str]:

@@ -7,7 +7,8 @@ state leaks between them. The child writes its dict as JSON to a temporary file;
 its own output goes straight to the terminal.
 
 Results are machine- and load-specific, so they go to the git-ignored reports/
-folder; numbers worth keeping are copied into the README by hand.
+folder, one entry per benchmark with its own date; `bench/measured.py` turns them into
+docs/measured.md.
 Run: ``.venv/bin/python bench/run_all.py [NAME ...]`` (NAME: ``cli``, ``bench_cli``, ...;
 default all). `make bench` runs it. Exit status 1 if any benchmark failed.
 """
@@ -111,18 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{o.name}: {'ok' if o.ok else 'FAILED'} in {o.seconds:.1f} s" + (f" ({o.error})" if o.error else ""))
         for key, value in _scalars(o.result or {}):
             print(f"  {key} = {_fmt(value)}")
-    report = {
+    for o in outcomes:
+        record(o.name, o.result, o.seconds, error=o.error)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+def record(name: str, result: dict | None, seconds: float, *, error: str = "") -> None:
+    """Merge one benchmark's result into reports/bench.json (each entry keeps its own date),
+    so a benchmark run alone (``python bench/bench_X.py``) lands there too."""
+    report = json.loads(OUT.read_text()) if OUT.exists() else {"benchmarks": {}}
+    report["host"] = {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    report["benchmarks"][name] = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
-        "benchmarks": {o.name: {"ok": o.ok, "seconds": o.seconds, "result": o.result, "error": o.error}
-                       for o in outcomes},
-    }
+        "ok": result is not None and not error, "seconds": seconds, "result": result, "error": error}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     tmp = OUT.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
     os.replace(tmp, OUT)  # a half-written report never replaces a whole one
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0 if all(o.ok for o in outcomes) else 1
 
 
 if __name__ == "__main__":
