@@ -31,6 +31,7 @@ PROMISED = {
     "init": [],
     "kernels": [],
     "ledger": [],
+    "matrix": [],
     "model": ["prepare"],
     "run": [],
     "selftest": [],

@@ -1,0 +1,122 @@
+"""`diffcheck matrix [IDS...]`: goldens, every comparison, the seed's table and a narrowing of the verdicts."""
+
+from __future__ import annotations
+
+import click
+
+from diffcheck.cli.common import goldens_option, suite_option
+
+
+def _print_table(result) -> None:
+    from rich.table import Table
+
+    from diffcheck.pipeline import matrix as mx
+    from diffcheck.report.terminal import make_console
+
+    table = Table(*mx.COLUMNS, title=f"matrix: suite {result.suite.name}")
+    for row in mx.table_rows(result):
+        table.add_row(*row)
+    out = make_console()
+    out.print(table)
+    for r in result.rows:
+        if r.note:
+            out.print(f"{r.case_id}: {r.note}", markup=False, highlight=False)
+
+
+@click.command(name="matrix")
+@click.argument("case_ids", nargs=-1)
+@suite_option
+@goldens_option
+@click.option("--md", "md_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the table, the narrowing and the next cases as Markdown.")
+@click.option("--json", "json_dir", type=click.Path(file_okay=False), default=None,
+              help="Write each compared case's JSON report into this folder (<ID>.json).")
+@click.option("--junit", "junit_dir", type=click.Path(file_okay=False), default=None,
+              help="Write each compared case's JUnit XML into this folder (<ID>.xml).")
+@click.option("--html", "html_dir", type=click.Path(file_okay=False), default=None,
+              help="Write each compared case's HTML report into this folder (<ID>.html).")
+@click.option("--from-outcomes", "outcomes_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Narrow recorded outcomes (one line per case id) instead of running anything.")
+@click.option("--baseline", default=None, metavar="ID",
+              help="Factors are taken relative to this case (default: the suite's first reference).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run the engine work as Ray tasks: --ray alone starts a local cluster bound to 127.0.0.1; "
+                   "--ray=HOST:PORT (or auto) joins one (install diffcheck[ray]).")
+@click.option("--cpus-per-rank", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --ray: CPUs a CPU case reserves per tensor/pipeline-parallel rank.")
+@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as bad too.")
+@click.option("--force", is_flag=True, help="Run every candidate again even when the ledger holds an identical run.")
+@click.pass_context
+def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir, outcomes_path, baseline,
+           ray_address, cpus_per_rank, strict, force):
+    """Run a suite's matrix: goldens first, then every candidate against its references.
+
+    Without CASE_IDS, every case of the suite except those tagged slow or gpu. Each run
+    goes through the ledger, so nothing runs twice and an interrupted matrix resumes.
+    Prints the seed's table (config delta, verdict, onset, tokens/s, text metrics,
+    same-output groups), then narrows the cause: the smallest conjunctions of config
+    factors true in every bad case and in no clean one, and the next cases worth running.
+
+    Exit 0 when every comparison passes, 1 on a regression, 3 when an engine failed
+    (and nothing regressed), 2 on bad input; --from-outcomes exits 0.
+
+    \b
+    Examples:
+      diffcheck matrix                                  the default suite, sequentially
+      diffcheck matrix J O E --md reports/matrix.md     three cases, a Markdown table
+      diffcheck matrix --ray --suite default            one Ray task per case, local cluster
+      diffcheck matrix --from-outcomes cases/flash-v100-quality.outcomes.toml --suite flash-v100-quality
+    """
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from diffcheck import cases
+    from diffcheck.errors import ConfigError
+    from diffcheck.pipeline import matrix as mx
+    from diffcheck.pipeline import runner
+    from diffcheck.report import atomic_write_text
+
+    s = cases.load_suite(suite)
+    if baseline is not None:
+        cases.get_case(s, baseline)
+    if outcomes_path:
+        if case_ids or ray_address:
+            raise ConfigError("--from-outcomes runs nothing: give no case ids and no --ray")
+        result = mx.from_outcomes(s, outcomes_path)
+    else:
+        address = mx.check_ray_address(ray_address)
+        root = runner.goldens_root(goldens)
+        console = Console(stderr=True)
+        t0 = time.perf_counter()
+        with console.status(f"matrix: suite {s.name}") as status:
+            def echo(msg):
+                status.update(msg)
+                console.log(msg, markup=False, highlight=False)
+
+            result = mx.run_matrix(s, case_ids, root=root, echo=echo, force=force,
+                                   verbose=ctx.obj.get("verbose", False), strict=strict, baseline=baseline,
+                                   ray=address, cpus_per_rank=cpus_per_rank)
+        click.echo(f"matrix: {len(result.comparisons)} comparisons, {result.engine_runs} engine runs recorded in the "
+                   f"ledger, {time.perf_counter() - t0:.0f}s"
+                   + (f"; left out (slow/gpu, name them to run): {', '.join(result.left_out)}" if result.left_out else ""))
+    _print_table(result)
+    for line in result.narrowing.lines(skipped=result.left_out if outcomes_path else ()):
+        click.echo(line)
+    if result.narrowing.next_cases:
+        click.echo("")
+        click.echo(result.narrowing.toml().rstrip())
+    if md_path:
+        atomic_write_text(md_path, mx.markdown(result))
+        click.echo(f"wrote {md_path}")
+    if not outcomes_path:
+        for p in mx.write_reports(result, json_dir=json_dir, junit_dir=junit_dir, html_dir=html_dir, strict=strict):
+            click.echo(f"wrote {p}")
+    elif json_dir or junit_dir or html_dir:
+        raise ConfigError("--json/--junit/--html need verdicts: not available with --from-outcomes (use --md)")
+    if outcomes_path:
+        return 0
+    from diffcheck.judging.policy import exit_code
+
+    return exit_code(result.verdict, strict=strict)

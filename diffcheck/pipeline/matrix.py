@@ -1,0 +1,392 @@
+"""``diffcheck matrix``: a suite's whole experiment matrix, resumable, with the seed's table and a narrowing.
+
+1. **Goldens first**: every reference the chosen cases need, recorded unless up to
+   date (`runner.record_golden`).
+2. **Every candidate** against its references (`runner.compare`), with ``tests`` =
+   the number of sequences the whole matrix judges (the multiple-testing correction).
+   Cases that list references while being references themselves (a second,
+   unbatched reference) are compared too.
+3. Every engine run goes through the ledger: a run with the same key (config, code,
+   model, goldens) is reused, so an interrupted matrix resumes where it stopped and a
+   finished run never runs twice.
+4. The table: case, reference, config delta, verdict, onset, tokens/s, the seed's text
+   metrics (max digit_ratio, weird_runs, repeated_num_runs, max max_digit_run over the
+   sequences) and "same output as" groups (the ledger's output digests).
+5. The narrowing (`diffcheck.judging.narrow`) of the verdicts: bad = `policy.fails`,
+   clean = a pass (a reference with no references of its own is clean by definition),
+   ERROR is no verdict.
+
+``--from-outcomes FILE`` does steps 4-5 from recorded outcomes instead
+(`diffcheck.cases.outcomes`): no engine. ``--ray`` runs the engine work of steps
+1-2 as Ray tasks (`diffcheck.pipeline.matrix_ray`); the driver alone writes.
+
+Cases tagged ``slow`` or ``gpu`` are left out unless named.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from diffcheck.errors import DiffcheckError
+from diffcheck.types import CaseVerdict, Run, Verdict
+
+Echo = Callable[[str], None]
+EXCLUDED_TAGS = ("slow", "gpu")
+METRIC_COLUMNS = ("digit_ratio", "weird_runs", "repeated_num_runs", "max_digit_run")
+
+
+@dataclass(frozen=True)
+class Plan:
+    references: tuple[Any, ...]  # Cases whose goldens are needed, suite order
+    compared: tuple[Any, ...]  # Cases compared against their references, suite order
+    left_out: tuple[str, ...] = ()  # tagged slow/gpu and not named
+
+    @property
+    def tests(self) -> int:
+        """Sequences the whole matrix judges: the m of the Bonferroni correction."""
+        from diffcheck import cases as casesmod
+
+        return sum(len(casesmod.load_prompts(c)) * len(c.references) for c in self.compared)
+
+    @property
+    def steps(self) -> int:
+        return len(self.references) + len(self.compared)
+
+
+def plan(suite, ids: tuple[str, ...] | list[str] = ()) -> Plan:
+    """Which goldens and comparisons a matrix over `ids` (default: the whole suite) needs."""
+    from diffcheck import cases as casesmod
+
+    if ids:
+        chosen = [casesmod.get_case(suite, i) for i in dict.fromkeys(ids)]
+        left_out: list[str] = []
+    else:
+        chosen = [c for c in suite.cases.values() if not any(t in c.tags for t in EXCLUDED_TAGS)]
+        left_out = [c.id for c in suite.cases.values() if c not in chosen]
+    need = {r for c in chosen for r in c.references} | {c.id for c in chosen if c.role == "reference"}
+    references = tuple(c for c in suite.cases.values() if c.id in need and c.role == "reference")
+    compared = tuple(c for c in suite.cases.values() if c in chosen and c.references)
+    return Plan(references=references, compared=compared, left_out=tuple(left_out))
+
+
+@dataclass(frozen=True)
+class Row:
+    case_id: str
+    reference_id: str | None  # None: a golden (a reference's own run)
+    verdict: str  # a Verdict name, "golden", or a recorded outcome
+    delta: dict[str, Any] = field(default_factory=dict)
+    onset: int | None = None
+    tokens_per_s: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None  # output digest (or a recorded hash)
+    same_as: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass
+class MatrixResult:
+    suite: Any
+    rows: list[Row] = field(default_factory=list)
+    comparisons: dict[str, Any] = field(default_factory=dict)  # case id -> runner.Comparison
+    outcomes: dict[str, str] = field(default_factory=dict)  # case id -> bad | clean (for narrowing)
+    left_out: tuple[str, ...] = ()
+    narrowing: Any = None
+    seconds: float = 0.0
+    engine_runs: int = 0
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.worst(v.verdict for comp in self.comparisons.values() for v in comp.verdicts)
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def run_matrix(suite, ids=(), *, root: Path, echo: Echo = print, force: bool = False, verbose: bool = False,
+               strict: bool = False, baseline: str | None = None, ray: str | None = None,
+               cpus_per_rank: float = 1.0) -> MatrixResult:
+    """Goldens, then every comparison, through the ledger; then the table and the narrowing."""
+    from diffcheck.storage import ledger as ledgermod
+
+    t0 = time.perf_counter()
+    p = plan(suite, ids)
+    led = ledgermod.Ledger.open(root)
+    before = len(led.entries())
+    if ray is not None:
+        from diffcheck.pipeline import matrix_ray
+
+        comparisons, golden_errors = matrix_ray.run(suite, p, root=root, address=ray, echo=echo, force=force,
+                                                    verbose=verbose, cpus_per_rank=cpus_per_rank)
+    else:
+        comparisons, golden_errors = _run_sequential(suite, p, root=root, echo=echo, force=force, verbose=verbose)
+    result = collect(suite, p, comparisons, golden_errors, root=root, strict=strict, baseline=baseline)
+    result.seconds = time.perf_counter() - t0
+    result.engine_runs = len(led.entries()) - before
+    return result
+
+
+def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool):
+    from diffcheck.errors import EngineError
+    from diffcheck.pipeline import runner
+
+    n, k = p.steps, 0
+    golden_errors: dict[str, str] = {}
+    for case in p.references:
+        k += 1
+        echo(f"case {k} of {n}: golden {case.id} ({case.description or 'reference'})")
+        try:
+            res = runner.record_golden(case, root=root, verbose=verbose, echo=echo)
+            echo(f"{case.id}: golden {res.status}")
+        except EngineError as exc:
+            golden_errors[case.id] = exc.message
+            echo(f"{case.id}: golden failed: {exc.message}")
+    comparisons = {}
+    tests = p.tests
+    for case in p.compared:
+        k += 1
+        echo(f"case {k} of {n}: {case.id} vs {', '.join(case.references)} ({case.description or 'candidate'})")
+        missing = [r for r in case.references if r in golden_errors]
+        if missing:
+            comparisons[case.id] = error_comparison(case, f"golden {missing[0]} failed: {golden_errors[missing[0]]}")
+            continue
+        comparisons[case.id] = runner.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
+                                              tests=tests)
+        for line in comparisons[case.id].reused:
+            echo(line)
+        echo(f"{case.id}: {comparisons[case.id].verdict.name}")
+    return comparisons, golden_errors
+
+
+def error_comparison(case, message: str):
+    """A comparison that never ran: ERROR against every reference, never a verdict."""
+    from diffcheck.judging import classify
+    from diffcheck.pipeline import runner
+
+    verdicts = tuple(classify.error_verdict(case.id, r, message) for r in case.references)
+    return runner.Comparison(verdicts=verdicts, candidate=None, goldens={})
+
+
+# -- the table --------------------------------------------------------------------------------------
+
+
+def run_metrics(run: Run | None) -> dict[str, Any]:
+    """The seed's text metrics over a run's sequences: worst digit_ratio and max_digit_run, summed runs."""
+    if run is None:
+        return {}
+    from diffcheck.judging.quality import text_metrics
+
+    per = [text_metrics(s.text, s.n_tokens) for s in run.sequences]
+    if not per:
+        return {}
+    return {"digit_ratio": max(m["digit_ratio"] for m in per), "weird_runs": sum(m["weird_runs"] for m in per),
+            "repeated_num_runs": sum(m["repeated_num_runs"] for m in per),
+            "max_digit_run": max(m["max_digit_run"] for m in per), "tokens": run.n_tokens}
+
+
+def _onset(verdict: CaseVerdict) -> int | None:
+    onsets = [s.onset for s in verdict.sequences if s.onset is not None]
+    return min(onsets) if onsets else None
+
+
+def _same_groups(outputs: dict[str, str | None]) -> dict[str, tuple[str, ...]]:
+    groups: dict[str, list[str]] = {}
+    for cid, digest in outputs.items():
+        if digest:
+            groups.setdefault(digest, []).append(cid)
+    return {cid: tuple(c for c in groups[d] if c != cid) for cid, d in outputs.items() if d}
+
+
+def collect(suite, p: Plan, comparisons: dict, golden_errors: dict[str, str], *, root: Path, strict: bool = False,
+            baseline: str | None = None) -> MatrixResult:
+    """The rows, outcomes and narrowing of a finished matrix (no engine)."""
+    from diffcheck import cases as casesmod
+    from diffcheck.judging.policy import fails
+    from diffcheck.storage import store
+
+    result = MatrixResult(suite=suite, comparisons=comparisons, left_out=p.left_out)
+    outputs: dict[str, str | None] = {}
+    runs: dict[str, Run | None] = {}
+    for ref in p.references:
+        path = store.run_path(root, suite.name, ref.id)
+        run = store.read_run(path) if ref.id not in golden_errors and path.exists() else None
+        runs[ref.id] = run
+        outputs[ref.id] = store.output_digest(run) if run is not None else None
+    for cid, comp in comparisons.items():
+        runs[f"{cid}@run"] = comp.candidate
+        outputs[f"{cid}@run"] = store.output_digest(comp.candidate) if comp.candidate is not None else None
+    same = _same_groups(outputs)
+
+    def label(key: str) -> str:
+        return key[:-4] if key.endswith("@run") else key
+
+    for ref in p.references:
+        if ref.id in comparisons:
+            continue  # shown with its comparison
+        run = runs[ref.id]
+        result.rows.append(Row(case_id=ref.id, reference_id=None,
+                               verdict="ERROR" if ref.id in golden_errors else "golden",
+                               tokens_per_s=(run.meta.timings or {}).get("tokens_per_s") if run else None,
+                               metrics=run_metrics(run), output=outputs[ref.id],
+                               same_as=tuple(sorted({label(k) for k in same.get(ref.id, ())} - {ref.id})),
+                               note=golden_errors.get(ref.id, "")))
+        if ref.id not in golden_errors:
+            result.outcomes[ref.id] = "clean"
+    for case in p.compared:
+        comp = comparisons[case.id]
+        run = comp.candidate
+        key = f"{case.id}@run"
+        for v in comp.verdicts:
+            result.rows.append(Row(case_id=case.id, reference_id=v.reference_id, verdict=v.verdict.name,
+                                   delta=casesmod.config_delta(case, casesmod.get_case(suite, v.reference_id)),
+                                   onset=_onset(v),
+                                   tokens_per_s=(run.meta.timings or {}).get("tokens_per_s") if run else None,
+                                   metrics=run_metrics(run), output=outputs.get(key),
+                                   same_as=tuple(sorted({label(k) for k in same.get(key, ())} - {case.id})),
+                                   note=v.error or ""))
+        if comp.verdict is not Verdict.ERROR:
+            result.outcomes[case.id] = "bad" if fails(comp.verdict, strict=strict) else "clean"
+    result.narrowing = narrow_suite(suite, result.outcomes, baseline=baseline,
+                                    same_output=_first_same(result.rows))
+    return result
+
+
+def _first_same(rows: list[Row]) -> dict[str, str]:
+    """case -> the first other case (table order) with the same output."""
+    order = list(dict.fromkeys(r.case_id for r in rows))
+    out = {}
+    for r in rows:
+        earlier = [c for c in r.same_as if c in order and order.index(c) < order.index(r.case_id)]
+        if earlier and r.case_id not in out:
+            out[r.case_id] = earlier[0]
+    return out
+
+
+def default_baseline(suite, outcomes: dict[str, str]) -> str:
+    """The first reference of the suite with no references of its own (J), else the first case."""
+    refs = [c.id for c in suite.cases.values() if c.role == "reference" and not c.references]
+    return refs[0] if refs else next(iter(suite.cases))
+
+
+def narrow_suite(suite, outcomes: dict[str, str], *, baseline: str | None = None,
+                 explicit: dict[str, dict] | None = None, same_output: dict[str, str] | None = None):
+    """`narrow.narrow` over the suite's resolved configs relative to `baseline`."""
+    from diffcheck import cases as casesmod
+    from diffcheck.judging import narrow
+
+    base_id = baseline or default_baseline(suite, outcomes)
+    base = casesmod.get_case(suite, base_id)
+    ids = [c for c in outcomes if c in suite.cases]
+    configs = {c: casesmod.resolved_config(suite.cases[c]) for c in ids}
+    facts = narrow.case_factors(configs, baseline=casesmod.resolved_config(base), explicit=explicit or {})
+    return narrow.narrow({c: outcomes[c] for c in ids}, facts, same_output=same_output)
+
+
+def from_outcomes(suite, path: str | Path) -> MatrixResult:
+    """The table and the narrowing of recorded outcomes (`diffcheck.cases.outcomes`): no engine."""
+    from diffcheck import cases as casesmod
+    from diffcheck.cases.outcomes import load_outcomes
+
+    rec = load_outcomes(path, suite=suite)
+    result = MatrixResult(suite=suite)
+    outputs = {cid: r.output for cid, r in rec.ids.items()}
+    # Recorded hashes may be prefixes of different lengths: equal when one starts the other.
+    same = {cid: tuple(o for o, d in outputs.items() if o != cid and d and h and (d.startswith(h) or h.startswith(d)))
+            for cid, h in outputs.items()}
+    for cid, r in rec.ids.items():
+        case = suite.cases[cid]
+        ref = case.references[0] if case.references else None
+        delta = casesmod.config_delta(case, casesmod.get_case(suite, ref)) if ref else {}
+        result.rows.append(Row(case_id=cid, reference_id=ref, verdict=r.outcome, delta=delta,
+                               tokens_per_s=r.tokens_per_s, metrics=dict(r.metrics), output=r.output,
+                               same_as=same.get(cid, ()), note=r.reason))
+        if r.outcome in ("bad", "clean"):
+            result.outcomes[cid] = r.outcome
+    result.left_out = tuple(cid for cid, r in rec.ids.items() if r.outcome == "not-a-verdict")
+    result.narrowing = narrow_suite(suite, result.outcomes, baseline=rec.baseline,
+                                    explicit={cid: r.factors for cid, r in rec.ids.items()},
+                                    same_output=_first_same(result.rows))
+    return result
+
+
+# -- rendering --------------------------------------------------------------------------------------
+
+
+def delta_text(delta: dict[str, Any]) -> str:
+    """``key=candidate value`` per changed path, ``engine.`` dropped (the reference is its own column)."""
+    parts = []
+    for path, value in sorted(delta.items()):
+        cand = value[1] if isinstance(value, (tuple, list)) and len(value) == 2 else value
+        short = path[len("engine."):] if path.startswith("engine.") else path
+        text = "default" if cand is None else ("true" if cand is True else "false" if cand is False else cand)
+        parts.append(f"{short}={text}")
+    return ", ".join(parts)
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "" if value is None else fmt.format(value)
+
+
+COLUMNS = ("case", "vs", "config delta", "verdict", "onset", "tok/s", *METRIC_COLUMNS, "same output as")
+
+
+def table_rows(result: MatrixResult) -> list[list[str]]:
+    out = []
+    for r in result.rows:
+        m = r.metrics
+        out.append([r.case_id, r.reference_id or "", delta_text(r.delta), r.verdict, _num(r.onset, "{}"),
+                    _num(r.tokens_per_s, "{:.1f}"), _num(m.get("digit_ratio"), "{:.4f}"),
+                    _num(m.get("weird_runs"), "{}"), _num(m.get("repeated_num_runs"), "{}"),
+                    _num(m.get("max_digit_run"), "{}"), ", ".join(r.same_as)])
+    return out
+
+
+def markdown(result: MatrixResult, *, title: str | None = None) -> str:
+    """The table, the narrowing and the next cases as one Markdown document."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [f"# {title or f'Matrix: suite {result.suite.name}'}", ""]
+    lines.append("| " + " | ".join(COLUMNS) + " |")
+    lines.append("|" + "---|" * len(COLUMNS))
+    for row in table_rows(result):
+        lines.append("| " + " | ".join(cell(c) for c in row) + " |")
+    notes = [r for r in result.rows if r.note]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {r.case_id}: {cell(r.note)}" for r in notes]
+    if result.narrowing is not None:
+        lines += ["", "## Narrowing", ""]
+        lines += [f"- {line.strip()}" if not line.startswith("  ") else f"  - {line.strip()}"
+                  for line in result.narrowing.lines(skipped=result.left_out)]
+        if result.narrowing.next_cases:
+            lines += ["", "## Next cases worth running", "", "```toml", result.narrowing.toml().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(result: MatrixResult, *, json_dir=None, junit_dir=None, html_dir=None, strict: bool = False,
+                  echo: Echo = print) -> list[Path]:
+    """Each compared case's JSON, JUnit and HTML report under the given folders (`diffcheck.report`)."""
+    from diffcheck.cli.compare import report_input
+    from diffcheck.report import write_html, write_json, write_junit
+
+    written = []
+    for cid, comp in result.comparisons.items():
+        meta = {"suite": result.suite.name, "candidate": cid, "references": [v.reference_id for v in comp.verdicts],
+                "command": f"diffcheck matrix --suite {result.suite.name}"}
+        if json_dir:
+            written.append(write_json(Path(json_dir) / f"{cid}.json", comp.verdicts, meta))
+        if junit_dir:
+            written.append(write_junit(Path(junit_dir) / f"{cid}.xml", comp.verdicts, strict=strict))
+        if html_dir:
+            written.append(write_html(Path(html_dir) / f"{cid}.html", report_input(comp, result.suite, cid, meta)))
+    return [Path(p) for p in written]
+
+
+def check_ray_address(value: str | None) -> str | None:
+    """``--ray`` alone means a local cluster; else HOST:PORT or ``auto``."""
+    if value is None or value in ("local", "auto") or ":" in value:
+        return value
+    raise DiffcheckError(f"--ray {value}: not a cluster address (valid: HOST:PORT, auto, or --ray alone for a "
+                         "local cluster; write --ray=ADDRESS, or --ray last, when case ids follow)")
