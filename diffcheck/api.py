@@ -128,14 +128,16 @@ def _suite(suite: str | PathLike | Suite | None) -> Suite:
 
 def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, goldens: PathLike | None = None,
                  run_file: PathLike | None = None, force: bool = False, verbose: bool = False,
-                 echo: Echo | None = None) -> Comparison:
+                 echo: Echo | None = None, replay: str | None = None) -> Comparison:
     """Run candidate `case_id` of `suite` and judge it against each of its references' goldens and
     noise floors, as ``diffcheck compare`` does (ledger reuse, forced replay, reference scoring).
 
     `suite`: a name, a path or a loaded `Suite` (default: the project's, `diffcheck.config`);
     `goldens`: the goldens root (default: the project's); `run_file`: judge that recorded run
     instead of starting an engine; `force`: run again even if the ledger holds an identical run;
-    `echo`: a progress callback (default: silent). Returns a `Comparison`: ``.verdicts`` (one
+    `echo`: a progress callback (default: silent); `replay`: ``"partial"`` (forced replay only
+    where the candidate left the golden's path, from its t*) or ``"full"`` (every sequence from
+    step 0), default per case (`diffcheck.pipeline.replay.mode_for`). Returns a `Comparison`: ``.verdicts`` (one
     `CaseVerdict` per reference), ``.verdict`` (the worst), ``.candidate`` and ``.goldens``.
     An engine failure is an ERROR verdict, not an exception.
     """
@@ -143,7 +145,7 @@ def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, g
 
     return runner.compare(_suite(suite), case_id, root=runner.goldens_root(goldens),
                           run_file=Path(run_file) if run_file is not None else None, verbose=verbose,
-                          force=force, echo=echo or _quiet)
+                          force=force, echo=echo or _quiet, replay=replay)
 
 
 def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = None,

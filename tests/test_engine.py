@@ -77,6 +77,31 @@ def test_forced_replay_of_own_tokens_reproduces_logprobs(engine, reference_run):
     assert np.array_equal(forced.steps.topk_ids[:, :5], reference_run.steps.topk_ids[:, :5])
 
 
+def test_partial_replay_from_t_star_matches_the_full_replay(engine, reference_run):
+    # A golden that leaves the reference's path at step t of sequence 0 and follows it in sequence 1:
+    # sequence 0 is replayed from t (prompt + the shared prefix prefilled), sequence 1 is reused.
+    from diffcheck.pipeline import replay
+
+    t = 6
+    off = reference_run.offsets()
+    ids = reference_run.steps.token_id.copy()
+    ids[off[0] + t: off[1]] = np.random.default_rng(1).integers(1000, 40000, int(off[1] - off[0]) - t)
+    golden = dataclasses.replace(reference_run, steps=dataclasses.replace(reference_run.steps, token_id=ids))
+    todo = replay.plan(golden, reference_run, "partial")
+    assert todo.starts == (t, None)
+    part = engine.force(golden, starts=todo.starts)
+    assert part.meta.source["from_steps"] == [t, None]
+    assert [s.n_tokens for s in part.sequences] == [reference_run.sequences[0].n_tokens - t, 0]
+    assert list(part.sequences[0].prompt_token_ids) == list(reference_run.sequences[0].prompt_token_ids)
+    assembled = replay.assemble(golden, reference_run, todo, part, reference_id="J", mechanism=engine.mechanism)
+    full = engine.force(golden)
+    assert np.array_equal(assembled.steps.token_id, full.steps.token_id)
+    # rows before t and all of sequence 1 are the candidate's own decode rows; the row at t is a prefill's
+    assert np.max(np.abs(assembled.steps.logprob - full.steps.logprob)) < 1e-3
+    assert np.array_equal(assembled.steps.topk_ids[:, 0], full.steps.topk_ids[:, 0])
+    assert assembled.meta.source["replayed"] == [0] and assembled.meta.source["reused"] == [1]
+
+
 def test_forced_replay_follows_an_improbable_path(engine, reference_run):
     rng = np.random.default_rng(0)
     steps = reference_run.steps

@@ -25,7 +25,18 @@ def test_short_selftest(tmp_path, smoke_suite, engine_pool):
     assert by_case["S1"].verdict is not Verdict.GIBBERISH, by_case["S1"]
     assert all(o.passed for o in outcomes), outcomes
     table = selftest.confusion(outcomes)
-    assert table["diffcheck"] == {"gibberish fault": "1/1", "degraded fault": "0/0", "benign": "0/1"}
+    assert table["diffcheck"] == {"gibberish fault": "1/1", "degraded fault": "0/0", "precision variant": "0/0",
+                                  "benign": "0/1"}
+    # forced replay ran only where needed: S1's sequences that kept J's tokens reuse their own rows,
+    # E (a fault counting decode steps) was replayed in full
+    golden = store.read_run(store.run_path(tmp_path, "smoke", "J"))
+    for cid, mode in (("S1", "partial"), ("E", "full")):
+        cand = store.read_run(store.run_path(tmp_path, "smoke", cid, role="candidate"))
+        source = store.read_run(store.run_path(tmp_path, "smoke", cid, kind="forced", reference="J")).meta.source
+        same = [i for i in range(len(golden.sequences))
+                if list(cand.sequence(i).token_id[: golden.sequences[i].n_tokens]) == list(golden.sequence(i).token_id)]
+        assert source["replay"] == mode, (cid, source)
+        assert source["reused"] == ([] if mode == "full" else same), (cid, source)
     # the recorded runs can be re-judged offline, without an engine
     run_file = store.run_path(tmp_path, "smoke", "E", role="candidate")
     offline = runner.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)

@@ -45,8 +45,13 @@ def _decoded(tok, run, index):
 @click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost inside its budget) fails (exit 1) too.")
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
 @click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
+@click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
+              help="Forced replay: only diverged sequences from their t* (partial), or every sequence from step 0 "
+                   "(full; when the decode path at t* matters). Default: partial, full for a case tagged "
+                   "replay-full or a fault that counts decode steps.")
 @click.pass_context
-def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes):
+def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes,
+            replay):
     """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
 
     Exit 0 when every sequence is IDENTICAL, BENIGN_DRIFT or WITHIN_BUDGET (not the last
@@ -79,7 +84,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
                 console.log(msg)
 
             comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
-                                          verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
+                                          verbose=ctx.obj.get("verbose", False), force=force, echo=echo,
+                                          replay=replay)
     except DiffcheckError as exc:
         if bisect_codes and exc.exit_code == 3:
             exc.exit_code = 125

@@ -12,8 +12,10 @@ from diffcheck.cli.common import goldens_option, suite_option
 @suite_option
 @goldens_option
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
+@click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
+              help="Forced replay: only diverged sequences from their t* (partial), or every sequence from step 0 (full).")
 @click.pass_context
-def run(ctx, case_id, suite, goldens, force):
+def run(ctx, case_id, suite, goldens, force, replay):
     """Generate CASE_ID and teacher-force it along each recorded reference golden.
 
     Writes <case>.run.parquet and <case>.forced-<ref>.parquet beside the goldens, so
@@ -42,7 +44,8 @@ def run(ctx, case_id, suite, goldens, force):
             console.log(msg)
 
         cand, forced, reused = runner.run_candidate(case, list(goldens_), goldens_, root=root,
-                                                    verbose=ctx.obj.get("verbose", False), force=force, echo=echo)
+                                                    verbose=ctx.obj.get("verbose", False), force=force, echo=echo,
+                                                    replay=replay)
     for line in reused:
         click.echo(line)
     click.echo(f"{case_id}: {cand.n_tokens} tokens -> {store.run_path(root, s.name, case_id, role='candidate')}")

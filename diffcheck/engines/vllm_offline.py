@@ -281,18 +281,38 @@ class VllmOffline(Engine):
         return Run(meta=self._meta("generate", dataclasses.asdict(self.case.sampling)), sequences=tuple(seqs),
                    steps=concat(steps, params.logprobs))
 
-    def force(self, reference: Run, *, progress=None) -> Run:
-        """Teacher-force `reference`'s tokens through this engine's decode path."""
+    def force(self, reference: Run, *, starts: Sequence[int | None] | None = None, progress=None) -> Run:
+        """Teacher-force `reference`'s tokens through this engine's decode path.
+
+        `starts`: per sequence of `reference`, the first step to force (default: 0 for
+        every sequence, the whole path); None leaves a sequence out. A sequence started
+        at step s > 0 gets its prompt + the reference's first s tokens as the prompt (a
+        prefill; a prefix-cache hit where the engine caches prefixes) and is forced
+        along the rest: its row at step s comes from that prefill's last position, not
+        from a decode step; rows after s are decode steps again. The returned run's
+        sequence i holds steps ``starts[i]..`` only (`diffcheck.pipeline.replay`
+        puts the whole forced path together); ``meta.source["from_steps"]`` says where
+        each began.
+        """
         if self.mechanism == "none":
             raise EngineError(
                 "forced decode replay is unavailable: this vLLM runs Model Runner V2 without trace replay or custom "
                 "logits processors; set env VLLM_USE_V2_MODEL_RUNNER=0 in the case to use the V1 runner"
             )
         k = int(self.case.sampling.logprobs)
+        if starts is None:
+            starts = [0] * len(reference.sequences)
+        if len(starts) != len(reference.sequences):
+            raise ValueError(f"starts has {len(starts)} entries for {len(reference.sequences)} sequences")
+        from_steps: list[int | None] = []
         inputs, params, kept = [], [], []
         for i, seq in enumerate(reference.sequences):
-            view = reference.sequence(i)
-            forced = [int(t) for t in view.token_id]
+            path = [int(t) for t in reference.sequence(i).token_id]
+            start = starts[i]
+            if start is not None and not 0 <= int(start) <= len(path):
+                raise ValueError(f"seq {i}: start {start} is outside its {len(path)} steps")
+            forced = path[int(start):] if start is not None else []
+            from_steps.append(int(start) if forced else None)
             if not forced:
                 continue
             extra = {}
@@ -303,7 +323,7 @@ class VllmOffline(Engine):
             # ignore_eos: the forced path may contain EOS before its end; max_tokens caps it exactly.
             params.append(self._sampling_params(max_tokens=len(forced), ignore_eos=True, min_tokens=0, stop=None,
                                                 logprobs=k, **extra))
-            inputs.append({"prompt_token_ids": list(seq.prompt_token_ids)})
+            inputs.append({"prompt_token_ids": list(seq.prompt_token_ids) + path[: int(start)]})
             kept.append(i)
         t0 = time.perf_counter()
         outputs = self._run_llm(inputs, params, "forced decode replay") if inputs else []
@@ -318,7 +338,7 @@ class VllmOffline(Engine):
                 continue
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
-            expected = [int(t) for t in reference.sequence(i).token_id]
+            expected = [int(t) for t in reference.sequence(i).token_id][from_steps[i]:]
             if tokens != expected[: len(tokens)] or len(tokens) != len(expected):
                 raise EngineError(
                     f"forced replay did not follow the reference for case '{self.case.id}' seq {i} "
@@ -327,8 +347,10 @@ class VllmOffline(Engine):
             steps.append(steps_from_logprobs(tokens, comp.logprobs, k))
             seqs.append(SequenceInfo(prompt_id=seq.prompt_id, prompt_token_ids=seq.prompt_token_ids, text=comp.text,
                                      finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
-        self.timings.update(force_s=elapsed)
+        self.timings.update(force_s=elapsed, force_tokens=sum(s.n_tokens for s in seqs))
         source = {"reference": reference.meta.case_id, "mechanism": self.mechanism}
+        if any(s not in (0, None) for s in from_steps):
+            source["from_steps"] = from_steps
         return Run(meta=self._meta("forced", dataclasses.asdict(self.case.sampling), source), sequences=tuple(seqs),
                    steps=concat(steps, k))
 

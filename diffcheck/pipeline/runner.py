@@ -181,6 +181,7 @@ class Comparison:
     candidate: Run | None
     goldens: dict[str, Run]
     reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
+    forced: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> forced run, where one exists
 
     @property
     def verdict(self) -> Verdict:
@@ -198,12 +199,27 @@ def _differs(golden: Run, candidate: Run) -> bool:
 
 
 def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root: Path, verbose: bool = False,
-                  force: bool = False, echo: Echo = print) -> tuple[Run, dict[str, Run], list[str]]:
+                  force: bool = False, echo: Echo = print,
+                  replay: str | None = None) -> tuple[Run, dict[str, Run], list[str]]:
     """Generate the candidate and teacher-force it along each golden: one engine start.
 
-    An identical earlier run (same config digest, engine, model, goldens) is reused from the
-    ledger instead of run again, unless ``force``.
+    An identical earlier run (same config digest, engine, model, goldens, replay mode) is
+    reused from the ledger instead of run again, unless ``force`` (``force`` is about the
+    ledger; the replay mode is ``replay``).
+
+    Forced replay runs only where it is needed (`diffcheck.pipeline.replay`): a sequence
+    whose sampled tokens equal the golden's has walked the golden's path already, and its
+    forced rows are its own generate rows (reused); a sequence that diverged at t* is
+    replayed from t* only, with prompt + the shared prefix as its prompt, and its rows
+    before t* are its generate rows. The row at t* then comes from a prefill of the last
+    prefix token, not from a decode step. ``replay="full"`` (CLI ``--replay full``, case
+    tag ``replay-full``; automatic for faults that count decode steps) replays every
+    sequence from step 0, for when the decode path at t* matters. ``meta.source`` of each
+    forced run says which sequences were replayed (from which step) and which reused.
     """
+    from diffcheck.pipeline import replay as replaymod
+
+    mode, why = replaymod.mode_for(case, replay)
     led = _ledger(root)
     run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
     forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
@@ -217,7 +233,9 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
                 cand = store.read_run(run_file)
                 if store.content_digest(cand) == hit.content_digest:
                     forced = {r: store.read_run(p) for r, p in forced_files.items()}
-                    return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model; --force reruns)"]
+                    if all(replaymod.forced_meta_mode(f) == mode for f in forced.values()):
+                        return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model, "
+                                              f"{mode} replay; --force reruns)"]
             except DataError:
                 pass
     echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
@@ -227,9 +245,13 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
         echo(f"{case.id}: {cand.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
         forced = {}
         for ref_id in references:
-            echo(f"{case.id}: forced decode replay along golden {ref_id} ({goldens[ref_id].n_tokens} steps, "
-                 f"{engine.mechanism})")
-            forced[ref_id] = _with_config(engine.force(goldens[ref_id]), case)
+            golden = goldens[ref_id]
+            todo = replaymod.plan(golden, cand, mode)
+            echo(f"{case.id}: forced decode replay along golden {ref_id} ({todo.describe()}; {engine.mechanism}"
+                 + (f"; full because {why}" if mode == "full" and why != "requested" else "") + ")")
+            part = engine.force(golden, starts=todo.starts) if todo.replayed else None
+            run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
+            forced[ref_id] = _with_config(run, case)
     store.write_run(run_file, cand)
     for ref_id, run in forced.items():
         store.write_run(forced_files[ref_id], run)
@@ -295,7 +317,7 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, pool: EnginePool | None = None,
-            tests: int | None = None) -> Comparison:
+            tests: int | None = None, replay: str | None = None) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
 
     `run_file`: judge that recorded run (and the forced/scored files beside it)
@@ -303,6 +325,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     reference engine when the golden was recorded on hardware like this one, and the
     signals the verdict had are always stated. `tests`: how many sequences the whole
     command judges (multiple-testing correction); default, this comparison's.
+    `replay`: the forced-replay mode (`run_candidate`; default partial).
     """
     from diffcheck.judging import classify
 
@@ -339,7 +362,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     else:
         try:
             candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
-                                                      force=force, echo=echo)
+                                                      force=force, echo=echo, replay=replay)
         except EngineError as exc:
             verdicts = tuple(classify.error_verdict(case.id, r, exc.message) for r in references)
             return Comparison(verdicts=verdicts, candidate=None, goldens=goldens)
@@ -368,7 +391,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
         delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
         verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta))
     _ledger(root).set_verdict(candidate, Verdict.worst(v.verdict for v in verdicts))
-    return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused))
+    return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
+                      forced=dict(forced))
 
 
 def _local_engine_note(golden: Run) -> str | None:
