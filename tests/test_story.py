@@ -46,7 +46,9 @@ PYTEST_FILE = """
         llm = vllm.LLM(model=MODEL, dtype="float32", enforce_eager=True, max_model_len=512,
                        gpu_memory_utilization=0.3, seed=0, enable_prefix_caching=False, disable_log_stats=True)
         params = vllm.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, top_k=20, seed=7, logprobs=5)
-        llm_golden.check(llm.generate(["Name three rivers.", "What is a write-ahead log?"], params))
+        outputs = llm.generate(["Name three rivers.", "What is a write-ahead log?"], params)
+        llm.llm_engine.engine_core.shutdown()  # vLLM 0.32's LLM has no shutdown of its own
+        llm_golden.check(outputs)
 """
 
 
