@@ -168,7 +168,7 @@ def test_flash_suite_o_differs_from_its_references_by_the_log_variant(monkeypatc
 
 BAD = {
     "unknown key": (REF + '[cases.O]\ninherits = "J"\nrole = "candidate"\nreferences = ["J"]\nengine = { cuda_graph = "FULL" }\n',
-                    "case 'O': unknown key 'engine.cuda_graph' (valid: attention_backend, compile_mode"),
+                    "case 'O': unknown key 'engine.cuda_graph' (valid: api_key_env, attention_backend, base_url, compile_mode"),
     "unknown case key": (REF + '[cases.O]\ninherits = "J"\nrefs = ["J"]\n', "case 'O': unknown key 'refs' (valid: "),
     "wrong type": (REF + '[cases.O]\ninherits = "J"\nengine = { max_num_seqs = "four" }\n',
                    "engine.max_num_seqs must be an integer, got 'four'"),

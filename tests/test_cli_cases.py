@@ -102,7 +102,7 @@ def test_check_reports_each_bad_suite_and_exits_2(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "ok " in captured.out and "good.toml: 2 cases" in captured.out
     assert captured.err.count("diffcheck: error: ") == 1
-    assert "case 'O': unknown key 'engine.cuda_graph' (valid: attention_backend" in captured.err
+    assert "case 'O': unknown key 'engine.cuda_graph' (valid: api_key_env, attention_backend, base_url" in captured.err
 
 
 def test_check_without_suites_is_an_error(tmp_path, monkeypatch, capsys):

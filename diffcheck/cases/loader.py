@@ -176,6 +176,8 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
     env = dict(merged.get("env", {}))
     _check_fault_env(env, err, where)
     expect = _build_expect(own.get("expect"), err, where)
+    engine = _typed(EngineConfig, merged.get("engine", {}), ENGINE_SPEC)
+    _check_engine(engine, env, err, where)
     return Case(
         id=cid,
         suite=suite,
@@ -185,7 +187,7 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
         model=_expand(merged["model"], "model", err, where),
         prompts_file=prompts_file,
         sampling=_typed(Sampling, merged.get("sampling", {}), SAMPLING_SPEC),
-        engine=_typed(EngineConfig, merged.get("engine", {}), ENGINE_SPEC),
+        engine=engine,
         env=env,
         expect=expect,
         tolerances={k: float(v) for k, v in merged.get("tolerances", {}).items()},
@@ -193,6 +195,17 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
         inherits=own.get("inherits"),
         source=path,
     )
+
+
+def _check_engine(engine: EngineConfig, env: dict[str, str], err, where: str) -> None:
+    """The merged engine table (and env) against its kind's static rules (`diffcheck.engines.registry`)."""
+    import dataclasses
+
+    from diffcheck.engines import registry
+
+    reason = registry.check_config(dataclasses.asdict(engine), env)
+    if reason:
+        raise err(where, reason)
 
 
 def _check_fault_env(env: dict[str, str], err, where: str) -> None:

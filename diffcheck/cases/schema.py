@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from diffcheck.errors import ConfigError
+from diffcheck.engines import registry
 from diffcheck.types import ROLES, Verdict
 
 DEFAULT_SUITE = "default"
@@ -43,7 +44,7 @@ EXPECTABLE = ("IDENTICAL", "BENIGN_DRIFT", "WITHIN_BUDGET", "DEGRADED", "GIBBERI
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-ENGINE_KINDS = ("vllm",)
+ENGINE_KINDS = registry.KINDS  # a static map: no engine module is imported
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # case ids name golden folders
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -87,6 +88,9 @@ class EngineConfig:
     kv_cache_memory_gib: float | None = None
     seed: int | None = None
     trust_remote_code: bool | None = None
+    base_url: str | None = None  # kind "openai": a server that already runs (else diffcheck starts one)
+    served_model_name: str | None = None  # kind "openai": the model name the server answers to
+    api_key_env: str | None = None  # kind "openai" at base_url: the environment variable holding its API key
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -190,6 +194,9 @@ ENGINE_SPEC = {
     "kv_cache_memory_gib": _Spec("number", above=0),
     "seed": _Spec("int"),
     "trust_remote_code": _Spec("bool"),
+    "base_url": _Spec("str"),
+    "served_model_name": _Spec("str"),
+    "api_key_env": _Spec("str"),
     "extra": _Spec("table"),
 }
 EXPECT_SPEC = {
@@ -298,6 +305,11 @@ def _check_table(raw: Any, key: str, spec: dict[str, _Spec], err, where) -> None
         if reason:
             raise err(where, reason)
     if key == "engine":
+        for name, check in (("base_url", registry.check_base_url), ("api_key_env", registry.check_env_name)):
+            if isinstance(raw.get(name), str) and raw[name] != RESET:
+                reason = check(raw[name])
+                if reason:
+                    raise err(where, reason)
         extra = raw.get("extra", {})
         if isinstance(extra, dict):
             for k, v in extra.items():

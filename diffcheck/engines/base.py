@@ -10,6 +10,9 @@ An engine is opened for one case (one engine configuration) and then asked to
   return this engine's logprob of each token and its top-k (a ``scored`` run).
 
 Engines know nothing about verdicts or files: they return `Run` objects.
+Each engine class registers its ``engine.kind`` and capabilities with
+`diffcheck.engines.registry.register_engine`; `unavailable` says what it cannot do
+for one configuration.
 A failed start or a crash raises `EngineError` (exit 3) with one root-cause line.
 """
 
@@ -25,6 +28,25 @@ from diffcheck.types import Run
 
 class Engine(ABC):
     name = "engine"
+    # Set by `registry.register_engine`: the case's engine.kind and what the class can do.
+    kind = "engine"
+    capabilities: frozenset[str] = frozenset()
+    description = ""
+
+    @classmethod
+    def unavailable(cls, engine_cfg: dict[str, Any]) -> dict[str, str]:
+        """{capability: why} for what this class cannot do with `engine_cfg` (a case's engine table)."""
+        from diffcheck.engines.registry import CAPABILITIES
+
+        return {c: "" for c in CAPABILITIES if c not in cls.capabilities}
+
+    @classmethod
+    def code_identity(cls, engine_cfg: dict[str, Any]) -> dict[str, Any] | None:
+        """What code this engine would run (version, commit, dirty), without starting it; None when
+        diffcheck cannot know (a server someone else runs), so no golden counts as up to date."""
+        from diffcheck.storage.identity import vllm_source_state
+
+        return vllm_source_state()
 
     @abstractmethod
     def generate(self, *, progress=None) -> Run: ...
@@ -47,6 +69,24 @@ class Engine(ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def run_meta(engine, kind: str, source: dict | None = None):
+    """The `RunMeta` of a run `engine` produced now (its case, info, model, timings; sampling as configured)."""
+    import dataclasses
+    import datetime
+
+    from diffcheck import __version__
+    from diffcheck.types import RunMeta
+
+    case = engine.case
+    return RunMeta(
+        suite=case.suite, case_id=case.id, role=case.role, kind=kind, engine=engine.info(),
+        model=engine.model.identity(), sampling=dataclasses.asdict(case.sampling), hardware=hardware(),
+        env=dict(engine.env), timings=dict(engine.timings), source=source or {},
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        diffcheck_version=__version__,
+    )
 
 
 def hardware() -> dict[str, Any]:

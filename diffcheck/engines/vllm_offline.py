@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from diffcheck import __version__
+from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, hardware
+from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_args import effective_config, engine_env, is_cpu, llm_kwargs
 from diffcheck.engines.vllm_logs import captured_output, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
@@ -91,6 +93,8 @@ def forcing_mechanism(*, trace_replay: bool, runner_v2: str | None, on_cpu: bool
     return "v1_logits_processor"
 
 
+@register_engine("vllm", capabilities=("generate", "topk_logprobs", "forced_replay", "prompt_scoring", "replicas"),
+                 description="vLLM offline (vllm.LLM) in this process")
 class VllmOffline(Engine):
     """One `vllm.LLM` for one case. Use as a context manager; `close()` frees it."""
 
@@ -215,19 +219,7 @@ class VllmOffline(Engine):
 
     def prompt_token_ids(self) -> list[list[int]]:
         self._require_open()
-        ids = []
-        for p in self.prompts:
-            if getattr(p, "chat", True):
-                messages = ([{"role": "system", "content": p.system}] if getattr(p, "system", None) else []) + [
-                    {"role": "user", "content": p.text}
-                ]
-                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                if isinstance(out, dict) or hasattr(out, "input_ids"):
-                    out = out["input_ids"]
-                ids.append([int(t) for t in out])
-            else:
-                ids.append([int(t) for t in self.tokenizer.encode(p.text)])
-        return ids
+        return prompting.prompt_token_ids(self.tokenizer, self.prompts)
 
     def _sampling_params(self, **override):
         from vllm import SamplingParams

@@ -33,13 +33,13 @@ def goldens_root(root: str | Path | None = None) -> Path:
 
 
 def open_engine(case, *, verbose: bool = False):
-    """Start the engine a case asks for (only vLLM offline today)."""
-    from diffcheck.engines import models
-    from diffcheck.engines.vllm_offline import VllmOffline
+    """Start the engine the case's ``engine.kind`` names (`diffcheck.engines.registry`)."""
+    from diffcheck.engines import models, registry
 
+    engine_class = registry.engine_class(case.engine.kind or "vllm")
     model = models.resolve_case(case)
     prompts = casesmod.load_prompts(case)
-    return VllmOffline(case, model, prompts=prompts, verbose=verbose)
+    return engine_class(case, model, prompts=prompts, verbose=verbose)
 
 
 def _with_config(run: Run, case) -> Run:
@@ -78,7 +78,11 @@ def golden_up_to_date(path: Path, case) -> str | None:
     from diffcheck.storage.identity import vllm_source_state  # does not import vllm
 
     model = models.resolve_case(case)
-    engine = vllm_source_state()
+    from diffcheck.engines import registry
+
+    engine = registry.engine_class(case.engine.kind or "vllm").code_identity(dataclasses.asdict(case.engine))
+    if engine is None:
+        return None  # a server diffcheck did not start: what code it runs is not known here
     same = (
         meta.source.get("config_digest") == casesmod.config_digest(case)
         and meta.model.get("digest") == model.digest
@@ -220,13 +224,18 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     from diffcheck.pipeline import replay as replaymod
 
     mode, why = replaymod.mode_for(case, replay)
+    from diffcheck.engines import registry
+
+    if "forced_replay" in registry.missing(case):
+        references = []  # generate only; compare states what the verdict could not use
+    reusable = registry.engine_class(case.engine.kind or "vllm").code_identity(dataclasses.asdict(case.engine))
     led = _ledger(root)
     run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
     forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
     from diffcheck.storage import ledger
 
     key = ledger.key_for(case, goldens=goldens)
-    if not force:
+    if not force and reusable is not None:  # a base_url server's code is not known: never reused
         hit = led.lookup(key)
         if hit is not None and run_file.exists() and all(p.exists() for p in forced_files.values()):
             try:
@@ -384,15 +393,24 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             echo(note)
         signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
                                   if have]
-        echo(f"{case.id} vs {r}: signals: {', '.join(signals)}; {floor.describe()}")
+        lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
+        echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
         v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
                                   tolerances=tolerances, candidate_id=case.id, reference_id=r,
                                   token_text=token_text, floor=floor, tests=n_tests)
         delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
-        verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta))
+        summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}
+        verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary))
     _ledger(root).set_verdict(candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
                       forced=dict(forced))
+
+
+def _unavailable_signals(case, ref_case) -> list[str]:
+    """What the engines could not give this comparison: the candidate's forced replay, the reference's scoring."""
+    from diffcheck.engines import registry
+
+    return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
 
 
 def _local_engine_note(golden: Run) -> str | None:
