@@ -31,10 +31,14 @@ CASES = {
 
 
 def write_suite(folder: Path, *, name: str = "toy", model_digest: str = "fake-model-digest") -> Path:
-    """A suite file whose model is a folder with a manifest (no real model needed)."""
+    """A suite file whose model is a folder with a manifest (no real model needed); `model_digest` is
+    the content of its one weights file, so another value is another model."""
+    from diffcheck.engines import models
+
     model = folder / "fake-model"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "diffcheck-model.json").write_text(json.dumps({"digest": model_digest}))
+    (model / "model.safetensors").write_text(model_digest)
+    (model / "diffcheck-model.json").write_text(json.dumps({"digest": models.folder_digest(model)}))
     return factories.write_suite(folder, CASES, name=name, description="ledger/bisect test suite", model=model,
                                  sampling={"max_tokens": 8, "temperature": 0.0, "logprobs": 4})
 
