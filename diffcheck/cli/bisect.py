@@ -83,7 +83,11 @@ def bisect(ctx, case_id, repo, good, bad, build, suite, goldens, strict, step_cm
 
     plan = bisecting.prepare(case_id, repo=repo, good=good, bad=bad, suite=suite, goldens=goldens, build=build,
                              strict=strict, verbose=bool((ctx.obj or {}).get("verbose")), step_cmd=step_cmd)
-    result = bisecting.run_bisect(plan, echo=click.echo)
+    from diffcheck import progress
+
+    with progress.display(verbose=plan.verbose) as shown:
+        # Lines above a live display go through it; plain output stays on stdout as before.
+        result = bisecting.run_bisect(plan, echo=shown.log if shown.live else click.echo)
     from diffcheck.storage.ledger import FILENAME
 
     for line in render(result, ledger_path=Path(plan.root) / FILENAME):

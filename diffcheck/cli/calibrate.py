@@ -32,16 +32,13 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
     """
     from pathlib import Path
 
-    from rich.console import Console
-
-    from diffcheck import cases
+    from diffcheck import cases, progress
     from diffcheck.errors import ConfigError
     from diffcheck.pipeline import calibrate as cal, runner
     from diffcheck.storage import store
 
     s = cases.load_suite(suite)
     root = runner.goldens_root(goldens)
-    console = Console(stderr=True)
     if add is not None:
         name, sep, file = add.partition("=")
         if not sep or len(case_ids) != 1:
@@ -59,12 +56,8 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
             raise ConfigError(f"{cases.display_path(s.path)}: case '{ref_id}' is a {case.role}; "
                               "only references have a noise floor")
         golden = runner.load_golden(root, s.name, ref_id)
-        with console.status(f"calibrating {ref_id}") as status:
-            def echo(msg):
-                status.update(msg)
-                console.log(msg)
-
+        with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
             floor = cal.calibrate(case, root=root, golden=golden, perturbations=cal.perturbations_for(s, ref_id),
-                                  verbose=ctx.obj.get("verbose", False), echo=echo)
+                                  verbose=ctx.obj.get("verbose", False), echo=shown.log)
         click.echo(f"{ref_id}: {floor.describe()}")
     return 0

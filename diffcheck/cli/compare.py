@@ -66,9 +66,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     """
     from pathlib import Path
 
-    from rich.console import Console
-
-    from diffcheck import api, cases
+    from diffcheck import api, cases, progress
     from diffcheck.storage import ledger, store
     from diffcheck.pipeline import runner
     from diffcheck.errors import DiffcheckError
@@ -77,14 +75,10 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     try:
         s = cases.load_suite(suite)
         root = runner.goldens_root(goldens)
-        console = Console(stderr=True)
-        with console.status(f"comparing {case_id}") as status:
-            def echo(msg):
-                status.update(msg)
-                console.log(msg)
-
+        with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
+            shown.stage(f"compare {case_id}")
             comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
-                                          verbose=ctx.obj.get("verbose", False), force=force, echo=echo,
+                                          verbose=ctx.obj.get("verbose", False), force=force, echo=shown.log,
                                           replay=replay)
     except DiffcheckError as exc:
         if bisect_codes and exc.exit_code == 3:

@@ -24,27 +24,21 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
     """Record goldens for CASE_IDS (default: every reference case of the suite)."""
     import time
 
-    from rich.console import Console
-
-    from diffcheck import api, cases
+    from diffcheck import api, cases, progress
     from diffcheck.pipeline import runner
 
     s = cases.load_suite(suite)
     ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
     todo = [cases.get_case(s, i) for i in ids]
     root = runner.goldens_root(goldens)
-    console = Console(stderr=True)
     rows = []
     for n, case in enumerate(todo, 1):
         t0 = time.perf_counter()
-        with console.status(f"[{n}/{len(todo)}] {case.id}") as status:
-            def echo(msg, _n=n):
-                status.update(f"[{_n}/{len(todo)}] {msg}")
-                console.log(msg)
-
+        with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
+            shown.stage(f"golden record: case {n} of {len(todo)}: {case.id}")
             res = api.record_golden(case, goldens=root, update=update, force=force,
                                     check_determinism=check_determinism,
-                                    verbose=ctx.obj.get("verbose", False), echo=echo)
+                                    verbose=ctx.obj.get("verbose", False), echo=shown.log)
         rows.append(res)
         extra = f" ({res.message})" if res.message else ""
         click.echo(f"{res.status:10s} {case.id:6s} {res.digest[:16]}  {res.path}  {time.perf_counter() - t0:.1f}s{extra}")

@@ -21,9 +21,7 @@ def run(ctx, case_id, suite, goldens, force, replay):
     Writes <case>.run.parquet and <case>.forced-<ref>.parquet beside the goldens, so
     `diffcheck compare CASE_ID --run FILE` can judge it later without an engine.
     """
-    from rich.console import Console
-
-    from diffcheck import cases
+    from diffcheck import cases, progress
     from diffcheck.pipeline import runner
     from diffcheck.storage import store
 
@@ -37,12 +35,8 @@ def run(ctx, case_id, suite, goldens, force, replay):
             goldens_[ref] = store.read_run(path)
         else:
             click.echo(f"no golden for {ref} yet: recording without forced replay along it")
-    console = Console(stderr=True)
-    with console.status(f"running {case_id}") as status:
-        def echo(msg):
-            status.update(msg)
-            console.log(msg)
-
+    with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
+        echo = shown.log
         cand, forced, reused = runner.run_candidate(case, list(goldens_), goldens_, root=root,
                                                     verbose=ctx.obj.get("verbose", False), force=force, echo=echo,
                                                     replay=replay)

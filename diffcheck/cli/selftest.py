@@ -23,10 +23,9 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     import json
     import time
 
-    from rich.console import Console
     from rich.table import Table
 
-    from diffcheck import cases
+    from diffcheck import cases, progress
     from diffcheck.pipeline import runner, selftest as st
     from diffcheck.storage import store
     from diffcheck.report.terminal import make_console
@@ -38,27 +37,27 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
         from diffcheck.errors import ConfigError
 
         raise ConfigError(f"{s.path}: no labelled cases (add `expect = ...` to candidate cases)")
-    console = Console(stderr=True)
     verbose = ctx.obj.get("verbose", False)
     refs = sorted({r for c in chosen for r in c.references})
     outcomes = []
     t0 = time.perf_counter()
     n_prompts = {c.id: len(cases.load_prompts(c)) for c in chosen}
     n_tests = sum(n_prompts[c.id] * len(c.references) for c in chosen)  # every sequence judged in this run
-    with console.status("selftest") as status, runner.EnginePool(verbose=verbose) as pool:
-        def echo(msg):
-            status.update(msg)
-            console.log(msg)
-
-        for ref in refs:
-            if not store.run_path(root, s.name, ref).exists():
-                runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, pool=pool)
+    with progress.display(verbose=verbose) as shown, runner.EnginePool(verbose=verbose) as pool:
+        echo = shown.log
+        missing = [ref for ref in refs if not store.run_path(root, s.name, ref).exists()]
+        for n, ref in enumerate(missing, 1):
+            shown.stage(f"selftest: recording golden {n} of {len(missing)}: {ref}")
+            runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, pool=pool)
         for n, case in enumerate(chosen, 1):
+            shown.stage(f"selftest: case {n} of {len(chosen)}: {case.id}")
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
             comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo, pool=pool,
                                         tests=n_tests)
             for v in comparison.verdicts:
                 outcomes.append(st.outcome(case, v, strict=strict))
+        shown.stage(None)
+        shown.activity("selftest: shutting the reference engines down")
     table = Table("case", "vs", "expected", "verdict", "onset", "onset err", "diffcheck", "exact match",
                   "logprobs close", "ok", title=f"selftest: suite {s.name}")
     word = {True: "flag", False: "pass"}

@@ -13,6 +13,11 @@ Engines know nothing about verdicts or files: they return `Run` objects.
 Each engine class registers its ``engine.kind`` and capabilities with
 `diffcheck.engines.registry.register_engine`; `unavailable` says what it cannot do
 for one configuration.
+
+``progress``: an optional callback ``progress(done, total)`` that each of the three calls
+invokes as work gets done (tokens generated or forced, tokens scored; ``total`` may
+shrink when a sequence stops early), so a caller can show tokens/s and an ETA
+(`diffcheck.progress`). None: no reports.
 A failed start or a crash raises `EngineError` (exit 3) with one root-cause line.
 """
 

@@ -33,6 +33,7 @@ from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_args import effective_config, engine_env, is_cpu, llm_kwargs
 from diffcheck.engines.vllm_logs import captured_output, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
+from diffcheck.engines.vllm_progress import run_requests, tail_phases
 from diffcheck.errors import ConfigError, EngineError
 from diffcheck.storage.identity import vllm_source_state
 from diffcheck.types import Run, RunMeta, SequenceInfo
@@ -100,7 +101,8 @@ class VllmOffline(Engine):
 
     name = "vllm"
 
-    def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None):
+    def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None,
+                 on_phase=None):
         from diffcheck import faults
 
         self.case = case
@@ -116,6 +118,7 @@ class VllmOffline(Engine):
         log_dir = Path(log_dir or tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = None if verbose else log_dir / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log"
+        self.on_phase = on_phase  # start-up phases read from the engine log (`vllm_progress.tail_phases`)
         self.llm = None
         self.timings: dict[str, float] = {}
         self._start()
@@ -123,6 +126,8 @@ class VllmOffline(Engine):
     # -- life cycle ---------------------------------------------------------------------------
     def _start(self) -> None:
         t0 = time.perf_counter()
+        if self.on_phase is not None:
+            self.on_phase("importing vLLM")
         try:
             with captured_output(self.log_path):  # import-time warnings belong in the engine log
                 import vllm
@@ -148,7 +153,7 @@ class VllmOffline(Engine):
         before = set(threading.enumerate())
         failure = None
         try:
-            with engine_env(self.llm_env), captured_output(self.log_path):
+            with engine_env(self.llm_env), captured_output(self.log_path), tail_phases(self.log_path, self.on_phase):
                 self.llm = LLM(**kw)
         except Exception as exc:
             failure = root_cause(exc, read_log(self.log_path))
@@ -238,11 +243,15 @@ class VllmOffline(Engine):
         kw.update(override)
         return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 
-    def _run_llm(self, inputs, params, what: str):
+    def _run_llm(self, inputs, params, what: str, *, progress=None, work: Sequence[int] = (), decode: bool = True):
+        """``LLM.generate`` in the engine log; with `progress`, ``progress(done, total)`` after every engine
+        step (`vllm_progress.run_requests`; `work`: units per request, `decode`: count tokens as they come)."""
         self._require_open()
         try:
             with captured_output(self.log_path):
-                return self.llm.generate(inputs, params, use_tqdm=False)
+                if progress is None:
+                    return self.llm.generate(inputs, params, use_tqdm=False)
+                return run_requests(self.llm, inputs, params, progress=progress, work=list(work), decode=decode)
         except Exception as exc:
             raise EngineError(f"engine crashed during {what} for case '{self.case.id}': "
                               f"{root_cause(exc, read_log(self.log_path))}") from None
@@ -289,7 +298,8 @@ class VllmOffline(Engine):
         prompt_ids = self.prompt_token_ids()
         params = self._sampling_params()
         t0 = time.perf_counter()
-        outputs = self._run_llm([{"prompt_token_ids": ids} for ids in prompt_ids], params, "generation")
+        outputs = self._run_llm([{"prompt_token_ids": ids} for ids in prompt_ids], params, "generation",
+                                progress=progress, work=[params.max_tokens] * len(prompt_ids))
         elapsed = time.perf_counter() - t0
         seqs, steps = [], []
         for prompt, ids, out in zip(self.prompts, prompt_ids, outputs):
@@ -348,7 +358,8 @@ class VllmOffline(Engine):
             inputs.append({"prompt_token_ids": list(seq.prompt_token_ids) + path[: int(start)]})
             kept.append(i)
         t0 = time.perf_counter()
-        outputs = self._run_llm(inputs, params, "forced decode replay") if inputs else []
+        outputs = self._run_llm(inputs, params, "forced decode replay", progress=progress,
+                                work=[p.max_tokens for p in params]) if inputs else []
         elapsed = time.perf_counter() - t0
         by_index = dict(zip(kept, outputs))
         seqs, steps = [], []
@@ -387,7 +398,8 @@ class VllmOffline(Engine):
                 kept.append(i)
         params = self._sampling_params(max_tokens=1, prompt_logprobs=k, logprobs=None, seed=0)
         t0 = time.perf_counter()
-        outputs = self._run_llm(inputs, params, "reference scoring") if inputs else []
+        outputs = self._run_llm(inputs, params, "reference scoring", progress=progress, decode=False,
+                                work=[len(i["prompt_token_ids"]) for i in inputs]) if inputs else []
         elapsed = time.perf_counter() - t0
         by_index = dict(zip(kept, outputs))
         seqs, steps = [], []

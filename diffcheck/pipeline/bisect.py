@@ -31,12 +31,14 @@ verdict rules: the compare subprocess judges, this module maps exit codes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -284,10 +286,11 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
     steps_file.unlink(missing_ok=True)
     echo(f"{PROGRESS}case {plan.case_id} (suite {plan.suite}) over {n_commits} commits of {repo}: "
          f"good {good[:10]}, bad {bad[:10]}; logs in {plan.log_dir}")
-    proc, lines, rc, bisect_log, interrupted = None, [], None, "", False
+    proc, lines, rc, bisect_log, interrupted, watch = None, [], None, "", False, None
     with _Interrupts() as interrupts:
         try:
-            git(repo, "bisect", "start", bad, good, "--")
+            watch = StepWatch(plan, n_commits)
+            watch.saw(git(repo, "bisect", "start", bad, good, "--"))
             cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.pipeline.bisect", "--step",
                    str(plan_file)]
             # A session of its own: Ctrl-C reaches only this process, which then stops the
@@ -298,6 +301,7 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
             with open(Path(plan.log_dir) / "git-bisect.log", "w") as log:
                 for line in proc.stdout:
                     log.write(line)
+                    watch.saw(line)
                     lines.append(line.rstrip("\n"))
                     if plan.verbose or line.startswith(PROGRESS):
                         echo(line.rstrip("\n"))
@@ -309,6 +313,8 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
             raise
         finally:
             interrupts.hold()  # already so, unless another exception got here
+            if watch is not None:
+                watch.close()
             if proc is not None and proc.poll() is None:
                 _stop(proc)
             restored, left = restore(repo, original)
@@ -327,6 +333,74 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
                         steps=read_steps(steps_file), engine_runs=led.engine_runs(plan.case_id) - runs_before,
                         n_commits=n_commits, log_dir=plan.log_dir, restored=restored, left_behind=left,
                         failure=failure)
+
+
+_BISECTING = re.compile(r"^\[([0-9a-f]{40})\] (.*)$")
+
+
+class StepWatch:
+    """The parent's live view of a bisect: "step k of about ⌈log2 N⌉", the commit under test, and
+    the last progress line of that commit's build or compare log (what the step is doing now).
+
+    Fed git bisect's own output (`saw`): ``[sha] subject`` names the next commit, a step's
+    ``bisect: ...`` line ends the current step. A thread follows the step's log files.
+    """
+
+    def __init__(self, plan: Plan, n_commits: int):
+        from diffcheck import progress
+
+        self.plan, self.shown = plan, progress.current()
+        self.about = max(1, math.ceil(math.log2(max(n_commits, 2))))
+        self.step, self.commit, self.subject, self.detail = 0, "", "", ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="diffcheck-bisect-watch", daemon=True)
+        self.thread.start()
+
+    def saw(self, text: str) -> None:
+        for line in text.splitlines():
+            m = _BISECTING.match(line.strip())
+            if m:
+                self.commit, self.subject, self.detail = m.group(1), m.group(2), ""
+                self.step += 1
+                self.shown.stage(f"bisect {self.plan.case_id}: step {self.step} of about {self.about}: "
+                                 f"{self.commit[:10]} {self.subject}")
+                self.shown.activity(f"{self.commit[:10]}: starting the step")
+
+    def status(self) -> str:
+        """What the stage line says now (for tests and logs)."""
+        return (f"step {self.step} of about {self.about}: {self.commit[:10]} {self.subject}" if self.commit
+                else "starting")
+
+    def _follow(self) -> None:
+        while not self.stop.wait(1.0):
+            if not self.commit:
+                continue
+            short = self.commit[:10]
+            line = ""
+            for name in (f"{short}-compare.log", f"{short}-build.log"):
+                line = _last_line(Path(self.plan.log_dir) / name)
+                if line:
+                    break
+            if line and line != self.detail:
+                self.detail = line
+                self.shown.activity(f"{short}: {line}")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def _last_line(path: Path, limit: int = 4096) -> str:
+    """The last non-empty line of a log file (its last `limit` bytes), without control characters."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in re.split(r"[\r\n]", data.decode("utf-8", errors="replace")) if ln.strip()]
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x1f]", "", lines[-1])[:200] if lines else ""
 
 
 _FIRST_BAD = re.compile(r"^# first bad commit: \[([0-9a-f]{40})\]")

@@ -92,6 +92,7 @@ def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[
 def calibrate(case, *, root: Path, golden: Run, perturbations=PERTURBATIONS, verbose: bool = False,
               echo: Echo = print) -> Floor:
     """Record every replica of `case` (a reference) along its golden, then the floor."""
+    from diffcheck import progress
     from diffcheck.pipeline.runner import open_engine
 
     digest = store.content_digest(golden)
@@ -106,10 +107,12 @@ def calibrate(case, *, root: Path, golden: Run, perturbations=PERTURBATIONS, ver
             except DataError:
                 pass
         replica_case = dataclasses.replace(case, engine=dataclasses.replace(case.engine, **p.engine))
+        progress.stage(f"{case.id}: floor replica {k} of {len(perturbations)} ({p.name})")
         echo(f"{case.id}: floor replica {k}/{len(perturbations)}: {p.description}; starting engine")
         with open_engine(replica_case, verbose=verbose) as engine:
             echo(f"{case.id}: forcing {golden.n_tokens} steps along the golden ({p.name})")
-            run = engine.force(golden)
+            run = engine.force(golden, progress=progress.task(f"{case.id}: forcing along the golden ({p.name})"))
+            progress.activity(f"{case.id}: shutting the engine down")
         meta = dataclasses.replace(run.meta, case_id=f"{case.id}.floor-{p.name}", source={
             **run.meta.source, "golden_digest": digest, "perturbation": p.engine, "description": p.description})
         store.write_run(path, dataclasses.replace(run, meta=meta))

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from diffcheck import cases as casesmod
+from diffcheck import progress
 from diffcheck.storage import store
 from diffcheck.errors import DataError, DiffcheckError, EngineError
 from diffcheck.pipeline.calibrate import load_floor
@@ -39,7 +41,11 @@ def open_engine(case, *, verbose: bool = False):
     engine_class = registry.engine_class(case.engine.kind or "vllm")
     model = models.resolve_case(case)
     prompts = casesmod.load_prompts(case)
-    return engine_class(case, model, prompts=prompts, verbose=verbose)
+    progress.activity(f"{case.id}: starting the engine")
+    extra, shown = {}, progress.current()  # the phases arrive on the engine's log-tailing thread
+    if "on_phase" in inspect.signature(engine_class).parameters:  # start-up phases, where the engine has them
+        extra["on_phase"] = lambda phase: shown.activity(f"{case.id}: engine start: {phase}")
+    return engine_class(case, model, prompts=prompts, verbose=verbose, **extra)
 
 
 def _with_config(run: Run, case) -> Run:
@@ -115,15 +121,17 @@ def record_golden(case, *, root: Path, update: bool = False, force: bool = False
             echo(f"{case.id}: starting engine ({case.description or case.role})")
             engine = stack.enter_context(open_engine(case, verbose=verbose))
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
-        run = _with_config(engine.generate(), case)
+        run = _with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
         echo(f"{case.id}: {run.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
         if check_determinism:
             echo(f"{case.id}: generating again to check determinism")
-            again = _with_config(engine.generate(), case)
+            again = _with_config(engine.generate(progress=progress.task(f"{case.id}: generating again")), case)
             a, b = store.content_digest(run), store.content_digest(again)
             if a != b:
                 raise DataError(f"case '{case.id}' is not reproducible: two recordings differ "
                                 f"(content {a[:12]} vs {b[:12]}); a reference must be deterministic")
+        if pool is None:
+            progress.activity(f"{case.id}: shutting the engine down")
     new_digest = store.content_digest(run)
     if path.exists():
         try:
@@ -250,7 +258,7 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
     with open_engine(case, verbose=verbose) as engine:
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
-        cand = _with_config(engine.generate(), case)
+        cand = _with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
         echo(f"{case.id}: {cand.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
         forced = {}
         for ref_id in references:
@@ -258,9 +266,11 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
             todo = replaymod.plan(golden, cand, mode)
             echo(f"{case.id}: forced decode replay along golden {ref_id} ({todo.describe()}; {engine.mechanism}"
                  + (f"; full because {why}" if mode == "full" and why != "requested" else "") + ")")
-            part = engine.force(golden, starts=todo.starts) if todo.replayed else None
+            part = engine.force(golden, starts=todo.starts, progress=progress.task(
+                f"{case.id}: forced replay along {ref_id}")) if todo.replayed else None
             run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
             forced[ref_id] = _with_config(run, case)
+        progress.activity(f"{case.id}: shutting the engine down")
     store.write_run(run_file, cand)
     for ref_id, run in forced.items():
         store.write_run(forced_files[ref_id], run)
@@ -313,11 +323,14 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
         except DataError:
             pass
     if pool is not None:
-        scored = pool.get(ref_case, echo).score(candidate)
+        scored = pool.get(ref_case, echo).score(candidate, progress=progress.task(
+            f"{ref_case.id}: scoring {candidate.meta.case_id}'s text"))
     else:
         echo(f"{candidate.meta.case_id}: starting reference engine {ref_case.id} to score the candidate's text")
         with open_engine(ref_case, verbose=verbose) as engine:
-            scored = engine.score(candidate)
+            scored = engine.score(candidate, progress=progress.task(f"{ref_case.id}: scoring "
+                                                                    f"{candidate.meta.case_id}'s text"))
+            progress.activity(f"{ref_case.id}: shutting the engine down")
     scored = dataclasses.replace(scored, meta=dataclasses.replace(
         scored.meta, source={**scored.meta.source, "scored_digest": digest}))
     store.write_run(path, scored)

