@@ -128,7 +128,8 @@ def _suite(suite: str | PathLike | Suite | None) -> Suite:
 
 def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, goldens: PathLike | None = None,
                  run_file: PathLike | None = None, force: bool = False, verbose: bool = False,
-                 echo: Echo | None = None, replay: str | None = None) -> Comparison:
+                 echo: Echo | None = None, replay: str | None = None,
+                 own_golden: bool | None = None) -> Comparison:
     """Run candidate `case_id` of `suite` and judge it against each of its references' goldens and
     noise floors, as ``diffcheck compare`` does (ledger reuse, forced replay, reference scoring).
 
@@ -139,13 +140,15 @@ def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, g
     where the candidate left the golden's path, from its t*) or ``"full"`` (every sequence from
     step 0), default per case (`diffcheck.pipeline.replay.mode_for`). Returns a `Comparison`: ``.verdicts`` (one
     `CaseVerdict` per reference), ``.verdict`` (the worst), ``.candidate`` and ``.goldens``.
-    An engine failure is an ERROR verdict, not an exception.
+    An engine failure is an ERROR verdict, not an exception. A reference case is judged against
+    its own stored golden (a fresh run with today's engine; `own_golden`, default: when it has
+    no references), the regression check of the engine itself.
     """
     from diffcheck.pipeline import runner
 
     return runner.compare(_suite(suite), case_id, root=runner.goldens_root(goldens),
                           run_file=Path(run_file) if run_file is not None else None, verbose=verbose,
-                          force=force, echo=echo or _quiet, replay=replay)
+                          force=force, echo=echo or _quiet, replay=replay, own_golden=own_golden)
 
 
 def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = None,

@@ -26,6 +26,7 @@ HEAVY = ("torch", "vllm", "pyarrow", "numpy")
 PROMISED = {
     "bisect": [],
     "cases": ["check", "list", "show"],
+    "check": [],
     "compare": [],
     "golden": ["export", "record", "show", "verify"],
     "init": [],

@@ -50,7 +50,7 @@ BAD_SUITES = {
 }
 # Every command that reads a suite; none may start an engine before the suite is valid.
 SUITE_COMMANDS = [["cases", "show", "X"], ["golden", "verify"], ["golden", "record", "J"], ["run", "X"],
-                  ["compare", "X"]]
+                  ["compare", "X"], ["check"]]
 # Engine log lines that must never reach the user's terminal on failure.
 ENGINE_NOISE = (" INFO ", " WARNING ", "Triton is installed")
 

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("diffcheck.cli.calibrate", "Measure each reference's noise floor (replicas along its golden)."),
     "run": ("diffcheck.cli.run", "Record one case's run beside the goldens."),
     "compare": ("diffcheck.cli.compare", "Judge a candidate against its reference goldens."),
+    "check": ("diffcheck.cli.check", "The whole suite for CI: references against their goldens, candidates "
+                                     "against their references; one exit code."),
     "matrix": ("diffcheck.cli.matrix", "Run a suite's whole matrix and narrow the cause."),
     "selftest": ("diffcheck.cli.selftest", "Prove the verdicts on labelled faulty and benign cases."),
     "ledger": ("diffcheck.cli.ledger", "List recorded runs, grouped by identical output."),

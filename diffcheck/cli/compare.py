@@ -49,10 +49,17 @@ def _decoded(tok, run, index):
               help="Forced replay: only diverged sequences from their t* (partial), or every sequence from step 0 "
                    "(full; when the decode path at t* matters). Default: partial, full for a case tagged "
                    "replay-full or a fault that counts decode steps.")
+@click.option("--own-golden", is_flag=True,
+              help="A reference case: also judge a fresh run against its own golden (automatic for a reference "
+                   "without references).")
 @click.pass_context
 def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes,
-            replay):
+            replay, own_golden):
     """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
+
+    A reference case (J) is re-run with today's code and engine and judged against its own
+    stored golden and noise floor, as any candidate is; the fresh run is stored as
+    J.run.parquet, never over the golden.
 
     Exit 0 when every sequence is IDENTICAL, BENIGN_DRIFT or WITHIN_BUDGET (not the last
     with --strict); 1 on DEGRADED or GIBBERISH; 3 on engine failure (125 with
@@ -62,6 +69,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     Examples:
       diffcheck compare O                       run O, judge it against its references
       diffcheck compare O --html o.html         ... and write a self-contained report
+      diffcheck compare J                       re-run reference J, judge it against its own golden
       diffcheck compare H --run goldens/gpu-h200/H.run.parquet   re-judge a recorded run
     """
     from pathlib import Path
@@ -79,7 +87,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
             shown.stage(f"compare {case_id}")
             comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
                                           verbose=ctx.obj.get("verbose", False), force=force, echo=shown.log,
-                                          replay=replay)
+                                          replay=replay, own_golden=own_golden or None)
     except DiffcheckError as exc:
         if bisect_codes and exc.exit_code == 3:
             exc.exit_code = 125

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from diffcheck import cases as casesmod
 from diffcheck import progress
 from diffcheck.storage import store
-from diffcheck.errors import DataError, DiffcheckError, EngineError
+from diffcheck.errors import ConfigError, DataError, DiffcheckError, EngineError
 from diffcheck.pipeline.calibrate import load_floor
 from diffcheck.types import CaseVerdict, Run, Verdict
 
@@ -259,6 +259,8 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     with open_engine(case, verbose=verbose) as engine:
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
         cand = _with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
+        if cand.meta.role != "candidate":  # a reference re-run against its own golden: a run, never a golden
+            cand = dataclasses.replace(cand, meta=dataclasses.replace(cand.meta, role="candidate"))
         echo(f"{case.id}: {cand.n_tokens} tokens in {engine.timings['generate_s']:.1f}s")
         forced = {}
         for ref_id in references:
@@ -339,8 +341,14 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, pool: EnginePool | None = None,
-            tests: int | None = None, replay: str | None = None) -> Comparison:
+            tests: int | None = None, replay: str | None = None, own_golden: bool | None = None) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
+
+    `own_golden`: a reference case is also judged against its own stored golden (default:
+    exactly when it has no references): a fresh run with today's code and engine, stored as
+    ``<case>.run.parquet`` (candidate role, never over the golden), forced along the
+    golden, judged against the golden's floor. No scoring there: the engine that would
+    score is the one being checked.
 
     `run_file`: judge that recorded run (and the forced/scored files beside it)
     instead of running the engine; a missing scored file is computed with the local
@@ -353,6 +361,13 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
 
     case = casesmod.get_case(suite, case_id)
     references = list(case.references)
+    if own_golden is None:
+        own_golden = case.role == "reference" and not references
+    if own_golden:
+        if case.role != "reference":
+            raise ConfigError(f"{casesmod.display_path(case.source)}: case '{case_id}' is a {case.role}: only a "
+                              "reference has a golden of its own to be judged against")
+        references = [case.id] + [r for r in references if r != case.id]
     if not references:
         raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
     goldens = {r: load_golden(root, suite.name, r) for r in references}
@@ -371,7 +386,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                 forced[r] = store.read_run(fp)
             if sp.exists():
                 scored[r] = store.read_run(sp)
-            elif _differs(goldens[r], candidate):
+            elif r != case.id and _differs(goldens[r], candidate):
                 local = _local_engine_note(goldens[r])
                 if local is None:
                     try:
@@ -390,7 +405,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             return Comparison(verdicts=verdicts, candidate=None, goldens=goldens)
         scored = {}
         for r in references:
-            if _differs(goldens[r], candidate):
+            if r != case.id and _differs(goldens[r], candidate):
                 try:
                     scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
                                                 verbose=verbose, echo=echo, pool=pool)
@@ -407,6 +422,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
         signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
                                   if have]
         lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
+        if r == case.id:
+            lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
         echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
         v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
                                   tolerances=tolerances, candidate_id=case.id, reference_id=r,
