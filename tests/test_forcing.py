@@ -109,6 +109,25 @@ def test_force_tokens_past_the_path_rows_beyond_the_logits_and_non_finite_logits
     assert torch.equal(got[0], torch.zeros(V)) and torch.equal(got[2], torch.zeros(V))
 
 
+def test_force_tokens_when_every_row_is_forced():
+    # a forced replay's batch: every row forced and live (the whole-tensor path)
+    rng = np.random.default_rng(2)
+    proc = ForceTokens(None, torch.device("cpu"), False)
+    paths = [rng.integers(0, V, 5).tolist() for _ in range(4)]
+    outs = [[], [paths[1][0]], [], paths[3][:3]]
+    proc.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=[
+        (i, forced(p), None, o) for i, (p, o) in enumerate(zip(paths, outs))]))
+    batch = {i: (p, o) for i, (p, o) in enumerate(zip(paths, outs))}
+    got = step(proc, batch, rng, rows=4)
+    assert [int(got[i].argmax()) for i in range(4)] == [p[len(o)] for p, o in zip(paths, outs)]
+    logits = torch.randn(4, V)
+    logits[0, paths[0][0]] = float("nan")
+    logits[2, paths[2][0]] = float("inf")
+    got = proc.apply(logits.clone())
+    assert got[0, paths[0][0]] == 0.0 and got[2, paths[2][0]] == 0.0
+    assert int(torch.isfinite(got).sum()) == 4
+
+
 def test_force_tokens_refuses_bad_ids():
     with pytest.raises(ValueError, match=EXTRA_ARG):
         ForceTokens.validate_params(forced([1, -2]))

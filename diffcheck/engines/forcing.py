@@ -10,8 +10,9 @@ With ``logprobs_mode="raw_logprobs"`` the returned top-k are computed before
 processors run, i.e. they are the model's own distribution at each step.
 
 Cost: the forcing is one masked logit per row, so `apply` is one batched tensor
-operation for all forced rows (a gather of the kept logits, one ``index_fill_``
-of the rows, one ``index_put_`` of the kept values). Per-row Python runs only in
+operation for all forced rows: a gather of the kept logits, one fill of the rows
+(the whole tensor when every row is forced, as in a forced replay's batch; else
+one ``index_fill_``) and one scatter of the kept values back. Per-row Python runs only in
 `update_state`, and only when the batch changes (requests added, removed or
 moved): it rebuilds the row index, each row's forced ids as one padded table, and
 the list of each row's live output-id list. The one per-row piece left in
@@ -91,9 +92,19 @@ class ForceTokens(LogitsProcessor):
         if not len(live):
             return logits
         pairs = np.stack((self._index[live], self._table[live, steps[live]]))
-        rows, tokens = torch.from_numpy(pairs).to(logits.device)  # one small host-to-device copy
-        keep = logits[rows, tokens]
-        keep = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+        # One small host-to-device copy; non_blocking: from pageable memory CUDA stages it at once
+        # and does not wait for the stream (a blocking copy would wait for the forward pass).
+        pairs_t = torch.from_numpy(pairs).to(logits.device, non_blocking=True)
+        if len(live) == logits.shape[0]:
+            # Every row is forced (a forced replay's batch): rows 0..B-1 in order, so whole-tensor
+            # ops: gather the kept logits, fill, scatter them back.
+            tokens = pairs_t[1].unsqueeze(1)
+            keep = logits.gather(1, tokens).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            logits.fill_(float("-inf"))
+            logits.scatter_(1, tokens, keep)
+            return logits
+        rows, tokens = pairs_t
+        keep = logits[rows, tokens].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         logits.index_fill_(0, rows, float("-inf"))
         logits.index_put_((rows, tokens), keep)
         return logits
