@@ -8,6 +8,9 @@ This package makes that a check:
 - `kernels.reference`: float64 decode attention, the reference.
 - `kernels.impls`: the implementations under test (torch SDPA, vLLM's CPU op,
   a Triton paged-decode kernel in `kernels.triton_decode`).
+- `kernels.vllm_gpu`: vLLM's own GPU decode attention (Triton unified attention,
+  FA3) driven through vLLM's metadata builders, captured in CUDA graphs, with the
+  seq-lens-copy fault applied to the real builder.
 - `kernels.graph`: capture/replay over persistent buffers, metadata builders
   (one correct, two deliberately broken) and the refresh invariant.
 - `kernels.compare`: per-dtype tolerances and error statistics.
@@ -17,5 +20,6 @@ This package makes that a check:
 
 Running needs torch and numpy only (``python -m kernels``); storing results as
 Parquet needs pyarrow and blake3 and is the ``diffcheck kernels`` command's job.
-Nothing here imports vLLM's Python package.
+Only `kernels.vllm_gpu` imports vLLM's Python package, lazily, when its kernels
+run; without vLLM's GPU backends they are skipped with one line saying why.
 """

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--suite", choices=("full", "quick"), default="full", help="case grid (quick: CI-sized)")
-    parser.add_argument("--kernels", default="", help="comma-separated subset (torch-sdpa,vllm-cpu-attn,triton-paged)")
+    parser.add_argument("--kernels", default="",
+                        help="comma-separated subset (torch-sdpa,vllm-cpu-attn,triton-paged,vllm-triton-unified,vllm-fa3)")
     parser.add_argument("--json", dest="json_path", default="", help="write the results here")
     args = parser.parse_args(argv)
 

@@ -13,10 +13,17 @@ implementation:
   order (the ragged batch of 6 first, then batches of 3, so padded tails
   matter), the refresh invariant checked before each replay;
 - broken builders (first group of each implementation only): the same replay
-  sequence through ``skip-refresh`` and ``stale-tails``. ``skip-refresh`` is
-  CAUGHT only when both the invariant and the output error catch it;
-  ``stale-tails`` is CAUGHT by the invariant, and its row says honestly
-  whether the output error saw it too.
+  sequence through ``skip-refresh`` and ``stale-tails`` (and, for vLLM's own
+  backends, `kernels.vllm_gpu`, the ``seq-lens-copy`` fault on vLLM's builder).
+  ``skip-refresh`` and ``seq-lens-copy`` are CAUGHT only when both the invariant
+  and the output error catch them; ``stale-tails`` is CAUGHT by the invariant,
+  and its row says honestly whether the output error saw it too. Correct
+  variants (``seq-lens-copy:fixed``) get one aggregated row that must PASS.
+
+vLLM's backends are captured their own way (`VllmDecodeImpl.capture_decode`:
+vLLM's builder runs before every replay, outside the graph) and may judge a
+dtype at another dtype's tolerance when that is what the kernel computes
+(`tolerance_key`: TF32 dots); the note says so.
 
 An exception inside a kernel becomes a FAIL row carrying the message, so one
 broken case never hides the rest.
@@ -37,6 +44,7 @@ from diffcheck_kernels.batch import BatchSpec, DecodeShape, KVPool, exact_metada
 from diffcheck_kernels.compare import DTYPES, TOLERANCES, Tolerance, error_stats
 from diffcheck_kernels.graph import BUILDERS, CapturedDecode
 from diffcheck_kernels.impls import IMPLS, DecodeImpl
+from diffcheck_kernels.vllm_gpu import VLLM_IMPLS
 from diffcheck_kernels.reference import reference_decode
 from diffcheck_kernels.results import BROKEN_BUILDERS, CAUGHT, FAIL, MISSED, PASS, CaseResult, SkippedKernel, SuiteResult
 
@@ -83,6 +91,15 @@ QUICK = SuiteConfig(
 
 CONFIGS = {c.name: c for c in (FULL, QUICK)}
 
+
+
+def all_kernels() -> dict[str, DecodeImpl]:
+    """Every kernel by name: the project's own (`impls.IMPLS`), then vLLM's GPU backends."""
+    return {**IMPLS, **VLLM_IMPLS}
+
+# Builders whose damage the output error must show as well as the invariant.
+OUTPUT_VISIBLE = ("skip-refresh", "seq-lens-copy")
+
 Progress = Callable[[str], None]
 
 
@@ -97,10 +114,17 @@ def run_suite(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device 'cuda' requested but torch {torch.__version__} sees no CUDA device")
-    unknown = [k for k in kernels or () if k not in IMPLS]
+    known = all_kernels()
+    unknown = [k for k in kernels or () if k not in known]
     if unknown:
-        raise ValueError(f"unknown kernel(s) {', '.join(unknown)}; valid: {', '.join(IMPLS)}")
-    impls = [IMPLS[name] for name in (kernels or tuple(IMPLS))]
+        raise ValueError(f"unknown kernel(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    impls = [known[name] for name in (kernels or tuple(known))]
+    if dev.type == "cuda":
+        for impl in impls:  # asked for by name on the GPU, a vLLM backend that cannot load is an error
+            if kernels and impl.name in VLLM_IMPLS:
+                avail = impl.availability(dev, None)
+                if not avail.ok:
+                    raise ValueError(f"kernel {impl.name} cannot run: {avail.reason}")
     rows: list[CaseResult] = []
     skipped: dict[tuple[str, str], None] = {}
     notes: dict[str, None] = {}
@@ -138,12 +162,16 @@ def run_suite(
 
 
 def _run_group(dev, config, shape, dtype_name, impls: list[DecodeImpl], *, broken_for, notes) -> list[CaseResult]:
-    dtype, tol = DTYPES[dtype_name], TOLERANCES[dtype_name]
+    dtype = DTYPES[dtype_name]
     seed = zlib.crc32(f"{dtype_name}/{shape.label}/bs{shape.block_size}".encode())
     pool = make_pool(shape=shape, dtype=dtype, device=dev, specs=config.batches, seed=seed, max_seq_len=config.max_seq_len)
     references = [reference_decode(pool, b) for b in pool.batches]
     rows = []
     for impl in impls:
+        tol_key, why = impl.tolerance_key(dtype_name) if hasattr(impl, "tolerance_key") else (dtype_name, "")
+        tol = TOLERANCES[tol_key]
+        if why:
+            notes[f"{impl.name}: {why}"] = None
         base = dict(kernel=impl.name, dtype=dtype_name, shape=shape.label, block_size=shape.block_size,
                     atol=tol.atol, rtol=tol.rtol)  # fmt: skip
         try:
@@ -155,11 +183,23 @@ def _run_group(dev, config, shape, dtype_name, impls: list[DecodeImpl], *, broke
         if isa:
             notes[f"{impl.name}: ISA path '{isa}' for {dtype_name}, block size {shape.block_size}"] = None
         rows += _eager_rows(forward, pool, references, tol, base)
-        rows += _graph_rows(forward, pool, references, tol, base, config, builder="refresh")
+        make = _capturer(impl, forward, pool, config)
+        rows += _graph_rows(make, pool, references, tol, base, builder="refresh")
         if impl in broken_for:
-            for builder in BROKEN_BUILDERS:
-                rows.append(_broken_row(forward, pool, references, tol, base, config, builder=builder))
+            for builder in getattr(impl, "broken_builders", BROKEN_BUILDERS):
+                rows.append(_broken_row(make, pool, references, tol, base, builder=builder))
+            for builder in getattr(impl, "correct_variants", ()):
+                rows.append(_variant_row(make, pool, references, tol, base, builder=builder))
     return rows
+
+
+def _capturer(impl, forward, pool: KVPool, config: SuiteConfig) -> Callable[[str], object]:
+    """builder name -> a captured decode with `.step(batch)`: the implementation's own capture where
+    it has one (vLLM's backends), else `kernels.graph.CapturedDecode` over `forward`."""
+    own = getattr(impl, "capture_decode", None)
+    if own is not None:
+        return lambda builder: own(pool, builder=builder, max_batch=config.max_batch, max_model_len=config.max_seq_len)
+    return lambda builder: _capture(forward, pool, config, builder)
 
 
 def _case_id(base: dict, mode: str, builder: str, batch: str) -> str:
@@ -204,9 +244,9 @@ def _capture(forward, pool: KVPool, config: SuiteConfig, builder: str) -> Captur
                           max_batch=config.max_batch, max_blocks=pool.max_blocks)  # fmt: skip
 
 
-def _graph_rows(forward, pool, references, tol, base, config, *, builder) -> list[CaseResult]:
+def _graph_rows(make, pool, references, tol, base, *, builder) -> list[CaseResult]:
     try:
-        captured = _capture(forward, pool, config, builder)
+        captured = make(builder)
     except Exception as exc:
         return [_error_row(base, "graph", builder, "capture", f"capture failed: {type(exc).__name__}: {exc}")]
     rows = []
@@ -229,22 +269,50 @@ def _graph_rows(forward, pool, references, tol, base, config, *, builder) -> lis
     return rows
 
 
-def _broken_row(forward, pool, references, tol, base, config, *, builder) -> CaseResult:
+def _replay_sequence(make, pool, references, tol, builder):
+    """Capture with `builder` and replay every batch in order: (steps, error stats)."""
+    captured = make(builder)
+    steps = [captured.step(b) for b in pool.batches]
+    return steps, [error_stats(s.output, r, tol) for s, r in zip(steps, references)]
+
+
+def _variant_row(make, pool, references, tol, base, *, builder) -> CaseResult:
+    """Replay the whole batch sequence through a correct builder variant; one aggregated row that must PASS."""
+    lens = " | ".join(_seq_lens(b.spec.seq_lens) for b in pool.batches)
+    try:
+        steps, stats = _replay_sequence(make, pool, references, tol, builder)
+    except Exception as exc:
+        return _error_row(base, "graph", builder, "sequence", f"{type(exc).__name__}: {exc}", lens)
+    n = len(steps)
+    violated = sum(1 for s in steps if s.violations)
+    out_of_tol = sum(1 for s in stats if not s.within)
+    first = next((s.violations[0] for s in steps if s.violations), "none")
+    ok = violated == 0 and out_of_tol == 0
+    return CaseResult(
+        case_id=_case_id(base, "graph", builder, "sequence"), mode="graph", builder=builder, batch="sequence",
+        seq_lens=lens, max_err=max(s.max_err for s in stats), mean_err=sum(s.mean_err for s in stats) / n,
+        within_tol=out_of_tol == 0, invariant=f"violated {violated}/{n}" if violated else "ok",
+        verdict=PASS if ok else FAIL,
+        detail="" if ok else (f"invariant violated {violated}/{n} (first: {first}); "
+                              f"output out of tolerance {out_of_tol}/{n}"),
+        **base,
+    )  # fmt: skip
+
+
+def _broken_row(make, pool, references, tol, base, *, builder) -> CaseResult:
     """Replay the whole batch sequence through a broken builder; one aggregated row."""
     batch_name = "sequence"
     lens = " | ".join(_seq_lens(b.spec.seq_lens) for b in pool.batches)
     try:
-        captured = _capture(forward, pool, config, builder)
-        steps = [captured.step(b) for b in pool.batches]
-        stats = [error_stats(s.output, r, tol) for s, r in zip(steps, references)]
+        steps, stats = _replay_sequence(make, pool, references, tol, builder)
     except Exception as exc:
         return _error_row(base, "graph", builder, batch_name, f"{type(exc).__name__}: {exc}", lens)
     n = len(steps)
     violated = sum(1 for s in steps if s.violations)
     out_of_tol = sum(1 for s in stats if not s.within)
     first = next((s.violations[0] for s in steps if s.violations), "none")
-    if builder == "skip-refresh":
-        caught = violated > 0 and out_of_tol > 0  # both channels must see the seed's bug
+    if builder in OUTPUT_VISIBLE:
+        caught = violated > 0 and out_of_tol > 0  # both channels must see it: replay reads capture-time metadata
     else:
         caught = violated > 0  # stale tails need not change live rows; the invariant must see them
     detail = f"invariant violated {violated}/{n} (first: {first}); output out of tolerance {out_of_tol}/{n}"

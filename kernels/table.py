@@ -67,8 +67,8 @@ def summarize(result: SuiteResult) -> list[SummaryRow]:
 
 def verdict_line(result: SuiteResult, comparison: Comparison | None = None) -> str:
     """One line: what passed, what failed, what was caught."""
-    cases = [r for r in result.rows if r.builder in ("-", "refresh")]
-    broken = [r for r in result.rows if r.builder not in ("-", "refresh")]
+    cases = [r for r in result.rows if r.verdict not in (CAUGHT, MISSED)]  # correct builders, variants included
+    broken = [r for r in result.rows if r.verdict in (CAUGHT, MISSED)]
     failed = sum(1 for r in cases if r.verdict != PASS)
     missed = sum(1 for r in broken if r.verdict == MISSED)
     caught = sum(1 for r in broken if r.verdict == CAUGHT)

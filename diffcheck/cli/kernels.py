@@ -30,7 +30,7 @@ from diffcheck.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
 @click.option("--suite", "suite_name", type=click.Choice(["full", "quick"]), default="full", show_default=True,
               help="Case grid; quick is the CI-sized one.")
 @click.option("--kernels", "kernel_names", default="", metavar="NAMES",
-              help="Comma-separated subset: torch-sdpa, vllm-cpu-attn, triton-paged.")
+              help="Comma-separated subset: torch-sdpa, vllm-cpu-attn, triton-paged, vllm-triton-unified, vllm-fa3.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write this run's results as JSON.")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -25,6 +25,11 @@ the clean run's under graphs and in eager mode.
 On a machine without CUDA the fault refuses to install (one-line ConfigError):
 CPU vLLM has neither the Triton backend's graphs nor CUDA graphs, so the fault
 would silently do nothing there (use ``stale-decode-metadata`` on CPU).
+
+`patch_builder` applies the same patch to any metadata builder class whose
+metadata carries ``seq_lens``: `install` patches vLLM's Triton builder in the
+engine; ``diffcheck kernels --device cuda`` patches subclasses of vLLM's Triton and
+FlashAttention builders (`kernels/vllm_gpu.py`), without a model.
 """
 
 from __future__ import annotations
@@ -63,8 +68,13 @@ def install(spec: FaultSpec) -> None:
         )
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 
-    original = TritonAttentionMetadataBuilder.build
-    original_capture = TritonAttentionMetadataBuilder.build_for_cudagraph_capture
+    patch_builder(TritonAttentionMetadataBuilder, spec)
+
+
+def patch_builder(cls, spec: FaultSpec) -> None:
+    """Patch `cls.build` and `cls.build_for_cudagraph_capture` with the fault (or its ``:fixed`` variant)."""
+    original = cls.build
+    original_capture = cls.build_for_cudagraph_capture
     capturing = {"now": False}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False, **kwargs):
@@ -96,5 +106,5 @@ def install(spec: FaultSpec) -> None:
 
     build.__wrapped__ = original  # type: ignore[attr-defined]
     build_for_cudagraph_capture.__wrapped__ = original_capture  # type: ignore[attr-defined]
-    TritonAttentionMetadataBuilder.build = build
-    TritonAttentionMetadataBuilder.build_for_cudagraph_capture = build_for_cudagraph_capture
+    cls.build = build
+    cls.build_for_cudagraph_capture = build_for_cudagraph_capture
