@@ -120,6 +120,16 @@ def plan(suite, *, include: set[str] | None = None) -> tuple[list, list[tuple[st
     return chosen, skipped
 
 
+def suite_arg(suite) -> str:
+    """How to name `suite` in a command: its name when that finds this very file, else its path."""
+    try:
+        if Path(casesmod.load_suite(suite.name).path).resolve() == Path(suite.path).resolve():
+            return suite.name
+    except Exception:  # no suite of that name, or a broken one: the path says it
+        pass
+    return casesmod.display_path(suite.path)
+
+
 def _engine_label(engine: dict) -> str:
     name = engine.get("distribution") or engine.get("name") or "engine"
     label = f"{name} {engine.get('version') or '?'}"
@@ -147,7 +157,7 @@ def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bo
     if missing:
         raise DataError(f"{Path(root) / suite.name}: no golden for {', '.join(missing)}; record "
                         f"{'them' if len(missing) > 1 else 'it'} first with `diffcheck golden record "
-                        f"{' '.join(missing)} --suite {suite.name}`")
+                        f"{' '.join(missing)} --suite {suite_arg(suite)}`")
     refs_of = {c.id: ((c.id,) if c.role == "reference" else ()) + tuple(r for r in c.references if r != c.id)
                for c in chosen}
     n_tests = sum(len(casesmod.load_prompts(c)) * len(refs_of[c.id]) for c in chosen)
