@@ -111,8 +111,11 @@ class _Task:
         return self.done / elapsed if elapsed > 0 and self.done else 0.0
 
     def describe(self, now: float) -> str:
+        return f"{self.label}: {self.numbers(now)}"
+
+    def numbers(self, now: float) -> str:
         rate = self.rate(now)
-        parts = [f"{self.label}: {self.done}" + (f"/{self.total}" if self.total else "") + f" {self.unit}"]
+        parts = [f"{self.done}" + (f"/{self.total}" if self.total else "") + f" {self.unit}"]
         if rate:
             parts.append(f"{rate:.1f} {self.unit}/s")
             if self.total and self.total > self.done:
@@ -156,6 +159,7 @@ class Display(Reporter):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._live = None
+        self._spinner = None
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> "Display":
@@ -250,13 +254,17 @@ class Display(Reporter):
             if self._stage:
                 rows.append(Text(f"{self._stage}  {fmt_seconds(now - self.t0)}", style="bold"))
             if self._activity:
-                rows.append(Spinner("dots", Text(f"{self._activity}  {fmt_seconds(now - self._activity_t0)}")))
+                text = Text(f"{self._activity}  {fmt_seconds(now - self._activity_t0)}")
+                if self._spinner is None:  # one spinner for the display's life: its frames turn with time
+                    self._spinner = Spinner("dots", text)
+                self._spinner.update(text=text)
+                rows.append(self._spinner)
             t = self._task
             if t is not None:
                 grid = Table.grid(padding=(0, 1))
                 grid.add_row(Text(f"  {t.label}"),
                              ProgressBar(total=t.total or None, completed=t.done, width=30),
-                             Text(t.describe(now).split(": ", 1)[1]))
+                             Text(t.numbers(now)))
                 rows.append(grid)
             return Group(*rows)
 

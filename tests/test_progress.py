@@ -70,6 +70,24 @@ def test_a_task_reports_rate_and_eta_from_its_own_start():
     assert d.lines() == ["O: shutting the engine down (0s)"]
 
 
+def test_live_frames_show_stage_activity_and_one_task_line_with_its_bar():
+    from rich.console import Console
+
+    clock, out = Clock(), io.StringIO()
+    d = progress.Display(stream=io.StringIO(), live=True, clock=clock)  # not started: rendered by hand
+    d.stage("compare J")
+    d.activity("J: engine up in 4.0s; generating 2 prompts")
+    report = d.task("J: generating")
+    clock.now = 10
+    report(28, 48)
+    Console(file=out, width=120, color_system=None).print(d)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "compare J  10s"
+    assert lines[1].endswith("J: engine up in 4.0s; generating 2 prompts  10s")
+    assert lines[2].startswith("  J: generating ") and lines[2].count("generating") == 1
+    assert "━" in lines[2] and lines[2].endswith("28/48 tok, 2.8 tok/s, ETA 7s, 10s")
+
+
 def test_the_display_survives_the_engine_capturing_fd_2(tmp_path):
     """vLLM runs with fd 1 and 2 sent to the engine log; the display must still reach the terminal."""
     script = textwrap.dedent("""
