@@ -182,8 +182,9 @@ class Narrowing:
             cause = self.causes[0]
             set_aside = "" if len(cause.cases) == len(self.bad) - len(self.contradictions) else \
                 " (the others are precision changes, below)"
-            out.append(f"main cause: one conjunction is true in all {len(cause.cases)} bad cases "
-                       f"({', '.join(cause.cases)}){set_aside} and in no clean case:")
+            which = (f"the bad case {cause.cases[0]}" if len(cause.cases) == 1 else
+                     f"all {len(cause.cases)} bad cases ({', '.join(cause.cases)})")
+            out.append(f"main cause: one conjunction is true in {which}{set_aside} and in no clean case:")
             out.append(f"  {cause}")
             for lit, held in cause.needed:
                 out.append(f"  without {lit} it would also hold in clean {', '.join(held)}")
@@ -351,7 +352,7 @@ def narrow(outcomes: Mapping[str, str], facts: Mapping[str, frozenset[Literal]],
         separate.append(Cause(_sorted(conj), tuple(cases), kind="precision", also_main=also))
     separate.sort(key=lambda c: str(c))
 
-    in_causes = {lit for cause in (*causes, *separate) for lit in cause.literals}
+    in_causes = {lit for cause in (*causes, *separate) for lit in cause.literals} | {lit for a in alternatives for lit in a}
     clean_lits = set().union(*clean) if clean else set()
     not_needed: dict[Literal, list[str]] = {}
     for b in explainable:

@@ -25,6 +25,7 @@ Cases tagged ``slow`` or ``gpu`` are left out unless named.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +129,112 @@ def run_matrix(suite, ids=(), *, root: Path, echo: Echo = print, force: bool = F
     return result
 
 
+class _Interrupt:
+    """Ctrl-C stops the matrix, also while vLLM starts an engine.
+
+    - The first SIGINT is remembered, and after every step the matrix checks the flag and
+      stops: vLLM can turn a KeyboardInterrupt during its start-up into an engine failure,
+      which must not become the case's ERROR (an interrupted case leaves no ledger row; the
+      next run does it again).
+    - The kernel may deliver SIGINT to any thread (vLLM's and rich's helpers) while the main
+      thread sits in one long C call (vLLM waits for its engine process in a zmq poll): a
+      watcher thread reads the signal from Python's wakeup fd and re-sends it to the main
+      thread if the main thread has not handled it within half a second.
+    - vLLM can also swallow the interrupt during start-up and go on waiting for an engine
+      process the same Ctrl-C ended. If the matrix has not stopped `GRACE_S` after the
+      signal, the watcher ends this process's children and exits with 130. Every file
+      and ledger row is written atomically, so what finished stays valid.
+    """
+
+    GRACE_S = 20.0
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.left = False
+        self.previous = None
+        self.previous_fd = -1
+        self.pipe = None
+
+    def __enter__(self) -> "_Interrupt":
+        import signal
+        import socket
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self.previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handler)
+        self.pipe = socket.socketpair()
+        self.pipe[1].setblocking(False)
+        self.previous_fd = signal.set_wakeup_fd(self.pipe[1].fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(threading.main_thread().ident, self.pipe[0]),
+                         name="diffcheck-matrix-sigint", daemon=True).start()
+        return self
+
+    def _watch(self, main_ident: int, sock) -> None:
+        import signal
+        import time
+
+        while True:
+            try:
+                data = sock.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGINT not in data:
+                continue
+            time.sleep(0.5)
+            if not self.hit and not self.left:  # it landed on another thread: hand it to the main thread
+                signal.pthread_kill(main_ident, signal.SIGINT)
+            deadline = time.monotonic() + self.GRACE_S
+            while not self.left and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not self.left:
+                self._hard_exit()
+
+    def _hard_exit(self) -> None:
+        import sys
+
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+        except ImportError:
+            pass
+        print(f"diffcheck: interrupted; the engine did not stop within {self.GRACE_S:.0f}s, ended it",
+              file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def _handler(self, signum, frame) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        self.left = True
+        if self.previous is not None:
+            signal.set_wakeup_fd(self.previous_fd)
+            signal.signal(signal.SIGINT, self.previous)
+            for s in self.pipe:
+                s.close()
+
+
 def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool):
+    with _Interrupt() as interrupt:
+        return _steps(suite, p, root=root, echo=echo, force=force, verbose=verbose, interrupt=interrupt)
+
+
+def _steps(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool, interrupt: _Interrupt):
     from diffcheck.errors import EngineError
     from diffcheck.pipeline import runner
 
@@ -141,8 +247,10 @@ def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verb
             res = runner.record_golden(case, root=root, verbose=verbose, echo=echo)
             echo(f"{case.id}: golden {res.status}")
         except EngineError as exc:
+            interrupt.check()
             golden_errors[case.id] = exc.message
             echo(f"{case.id}: golden failed: {exc.message}")
+        interrupt.check()
     comparisons = {}
     tests = p.tests
     for case in p.compared:
@@ -154,6 +262,7 @@ def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verb
             continue
         comparisons[case.id] = runner.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
                                               tests=tests)
+        interrupt.check()
         for line in comparisons[case.id].reused:
             echo(line)
         echo(f"{case.id}: {comparisons[case.id].verdict.name}")
