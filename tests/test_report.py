@@ -396,3 +396,79 @@ def test_json_series_compact_float32_exact_and_optional(tmp_path):
     assert json.loads(write_json(tmp_path / "c.json", [case], indent=None).read_text())["cases"][0]["verdict"] == (
         "DEGRADED"
     )
+
+
+# ---------------------------------------------------------------- speed (runs' timings)
+
+H200 = {"gpu_name": "NVIDIA H200", "cpu_model": "Xeon"}
+
+
+def _speed_runs():
+    from factories import make_run
+
+    def eff(backend, graph):
+        return {"effective": {"attention_backend": backend, "cudagraph_mode": graph, "dtype": "bfloat16"}}
+
+    golden = make_run(lengths=(256, 256, 256, 256), case_id="J", engine=eff("TRITON_ATTN", "NONE"), hardware=H200,
+                      timings={"startup_s": 47.6, "generate_s": 15.11, "generate_tokens": 1024})
+    cand = make_run(lengths=(256, 256, 256, 256), case_id="O", role="candidate", hardware=H200,
+                    engine=eff("TRITON_ATTN", "FULL_DECODE_ONLY"),
+                    timings={"startup_s": 75.3, "generate_s": 1.024, "generate_tokens": 1024})
+    forced = make_run(lengths=(256, 256, 256, 256), case_id="O", role="candidate", kind="forced", hardware=H200,
+                      timings={"force_s": 0.5, "force_tokens": 400, "generate_s": 1.024},
+                      source={"reference": "J", "replay": "partial", "replayed": [1, 3], "reused": [0, 2]})
+    return golden, cand, forced
+
+
+def test_speed_summary_from_run_timings():
+    from diffcheck.report.speed import speed_summary
+
+    golden, cand, forced = _speed_runs()
+    speed = speed_summary(cand, {"J": golden}, {"J": forced})
+    c, j = speed["runs"]
+    assert (c["role"], c["case"], c["generate_tokens"]) == ("candidate", "O", 1024)
+    assert c["decode_tokens_per_s"] == pytest.approx(1000.0) and j["decode_tokens_per_s"] == pytest.approx(1024 / 15.11)
+    assert c["engine"] == "TRITON_ATTN, FULL_DECODE_ONLY, bfloat16" and c["hardware"] == "NVIDIA H200"
+    (f,) = c["forced"]
+    assert (f["replay"], f["forced_tokens"], f["path_steps"]) == ("partial", 400, 1024)
+    assert f["forced_tokens_per_s"] == pytest.approx(800.0) and f["replayed"] == [1, 3]
+    (ratio,) = speed["ratios"]
+    assert ratio["decode_speedup"] == pytest.approx(1000.0 / (1024 / 15.11)) and ratio["same_hardware"] is True
+    assert speed_summary(None, {"J": golden}) is None
+
+
+def test_speed_summary_without_timings_or_on_other_hardware():
+    from diffcheck.report.speed import speed_lines, speed_summary
+    from factories import make_run
+
+    golden, cand, _ = _speed_runs()
+    bare = make_run(lengths=(3,), case_id="X", role="candidate")  # no timings recorded
+    speed = speed_summary(bare, {"J": golden})
+    assert speed["runs"][0]["decode_tokens_per_s"] is None and speed["ratios"][0]["decode_speedup"] is None
+    assert "candidate X (?; ?): no timings recorded" in speed_lines(speed)[0]
+    other = make_run(lengths=(256,), case_id="J", hardware={"cpu_model": "EPYC"},
+                     timings={"generate_s": 30.0, "generate_tokens": 256})
+    lines = speed_lines(speed_summary(cand, {"J": other}))
+    assert lines[-1] == "O decodes 117.19x as fast as J (different hardware: not comparable)"
+
+
+def test_speed_in_json_html_and_terminal(tmp_path):
+    from diffcheck.report.speed import speed_summary
+    from diffcheck.report.terminal import render_speed
+
+    golden, cand, forced = _speed_runs()
+    speed = speed_summary(cand, {"J": golden}, {"J": forced})
+    data = json.loads(write_json(tmp_path / "r.json", [make_case(Verdict.IDENTICAL)], speed=speed).read_text())
+    assert data["speed"]["runs"][0]["decode_tokens_per_s"] == pytest.approx(1000.0)
+    assert data["speed"]["ratios"][0]["decode_speedup"] == pytest.approx(14.756, rel=1e-3)
+    assert json.loads(write_json(tmp_path / "n.json", [make_case(Verdict.IDENTICAL)]).read_text())["speed"] is None
+    html = render_html(ReportInput(verdicts=(make_case(Verdict.IDENTICAL),), speed=speed))
+    section = html[html.index('<section id="speed">'):html.index('<section id="sequences">')]
+    assert "<td>1000</td>" in section and "<td>68</td>" in section  # decode tok/s, candidate then reference
+    assert "<b>O</b> decodes <b>14.76x</b> as fast as <b>J</b>" in section
+    assert "J (partial): 400/1024 steps, 0.5 s, 800 tok/s" in section
+    assert 'id="speed"' not in render_html(ReportInput(verdicts=(make_case(Verdict.IDENTICAL),)))
+    out = render_speed(speed, console=plain_console()).file.getvalue()
+    assert "candidate O (TRITON_ATTN, FULL_DECODE_ONLY, bfloat16; NVIDIA H200): 1024 tokens in 1.02 s = 1000 tok/s" in out
+    assert "forced along J (partial): 400 of 1024 steps in 0.50 s = 800 tok/s" in out
+    assert "O decodes 14.76x as fast as J" in out

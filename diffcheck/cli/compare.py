@@ -7,8 +7,8 @@ import click
 from diffcheck.cli.common import goldens_option, suite_option
 
 
-def report_input(comparison, suite, case_id, meta):
-    """Token strings of both sides for the HTML report (tokenizer when available)."""
+def report_input(comparison, suite, case_id, meta, speed=None):
+    """Token strings of both sides for the HTML report (tokenizer when available), and the runs' speed."""
     from diffcheck import cases
     from diffcheck.pipeline import runner
     from diffcheck.report import ReportInput, SequenceTexts
@@ -26,7 +26,7 @@ def report_input(comparison, suite, case_id, meta):
                 else:
                     texts[(v.candidate_id, v.reference_id, s.index)] = SequenceTexts(
                         _decoded(tok, gold, s.index), _decoded(tok, cand, s.index))
-    return ReportInput(verdicts=comparison.verdicts, texts=texts, meta=meta)
+    return ReportInput(verdicts=comparison.verdicts, texts=texts, meta=meta, speed=speed)
 
 
 def _decoded(tok, run, index):
@@ -78,7 +78,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     from diffcheck.storage import ledger, store
     from diffcheck.pipeline import runner
     from diffcheck.errors import DiffcheckError
-    from diffcheck.report import render_divergence, render_table, worst_sequence, write_html, write_json, write_junit
+    from diffcheck.report import (render_divergence, render_speed, render_table, speed_summary, worst_sequence,
+                                  write_html, write_json, write_junit)
 
     try:
         s = cases.load_suite(suite)
@@ -99,18 +100,20 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     if comparison.candidate is not None:
         meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
         meta["hardware"] = comparison.candidate.meta.hardware
-    texts = report_input(comparison, s, case_id, meta)
+    speed = speed_summary(comparison.candidate, comparison.goldens, comparison.forced)
+    texts = report_input(comparison, s, case_id, meta, speed)
     out = render_table(comparison.verdicts)
     for v in comparison.verdicts:
         if v.verdict.name not in ("IDENTICAL",) and v.sequences:
             render_divergence(v, texts.texts_for(v, worst_sequence(v)), console=out)
+    render_speed(speed, console=out)
     if comparison.candidate is not None:
         digest = store.output_digest(comparison.candidate)
         same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
         if same:
             click.echo(f"same output as {', '.join(sorted(same))} (output digest {digest[:12]})")
     if json_path:
-        write_json(json_path, comparison.verdicts, meta)
+        write_json(json_path, comparison.verdicts, meta, speed=speed)
     if junit_path:
         write_junit(junit_path, comparison.verdicts, strict=strict)
     if html_path:

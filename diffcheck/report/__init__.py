@@ -15,6 +15,8 @@ The input of the renderers that need texts is `ReportInput`:
   ``(reference_tokens, candidate_tokens)`` is accepted as a value too. Sequences
   without an entry are rendered without texts.
 - ``meta``: free-form facts shown in the header (suite, command, versions, ...).
+- ``speed``: `diffcheck.report.speed.speed_summary` of the runs (decode tokens/s of
+  the candidate and each reference golden, forced replays), or None.
 
 The renderers live in submodules and load lazily (`rich` only when the terminal
 table is used): `render_table` / `render_divergence` (terminal), `write_json`,
@@ -43,6 +45,8 @@ _LAZY = {
     "write_junit": "diffcheck.report.junit",
     "write_html": "diffcheck.report.html",
     "render_html": "diffcheck.report.html",
+    "render_speed": "diffcheck.report.terminal",
+    "speed_summary": "diffcheck.report.speed",
 }
 
 __all__ = [
@@ -136,6 +140,7 @@ class ReportInput:
     verdicts: tuple[CaseVerdict, ...]
     texts: Mapping[TextKey, SequenceTexts] = field(default_factory=dict)
     meta: Mapping[str, Any] = field(default_factory=dict)
+    speed: Mapping[str, Any] | None = None  # `speed.speed_summary` of the runs
 
     def __post_init__(self):
         object.__setattr__(self, "verdicts", tuple(self.verdicts))

@@ -415,6 +415,37 @@ ul.evidence{margin:4px 0 6px;padding-left:20px}
 """
 
 
+def _speed(report: ReportInput) -> str:
+    """Decode tokens/s of the candidate and each reference, forced replays, and the speed-up."""
+    speed = report.speed
+    if not speed:
+        return ""
+    rows = []
+    for run in speed.get("runs", ()):
+        forced = "; ".join(
+            f"{f['reference']} ({f['replay']}): {f['forced_tokens']}/{f['path_steps']} steps, "
+            f"{_fmt(f['force_s'])} s, {_fmt(f['forced_tokens_per_s'])} tok/s"
+            for f in run.get("forced", ()))  # fmt: skip
+        rate = run["decode_tokens_per_s"]
+        cells = (run["role"], run["case"], run["engine"], run["hardware"], _fmt(run["startup_s"]),
+                 _fmt(run["generate_tokens"]), _fmt(run["generate_s"]), "–" if rate is None else f"{rate:.0f}",
+                 forced or "–")  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("role", "case", "engine", "hardware", "start-up s", "tokens",
+                                            "generate s", "decode tok/s", "forced replay"))  # fmt: skip
+    ratios = []
+    for r in speed.get("ratios", ()):
+        if r.get("decode_speedup") is not None:
+            hw = "" if r["same_hardware"] else " (different hardware: not comparable)"
+            ratios.append(f"<li><b>{_e(r['candidate'])}</b> decodes <b>{r['decode_speedup']:.2f}x</b> as fast as "
+                          f"<b>{_e(r['reference'])}</b>{_e(hw)}</li>")
+    return (
+        '<section id="speed"><h2>Speed</h2>'
+        f'<table class="grid"><tr>{head}</tr>{"".join(rows)}</table>'
+        f"<ul>{''.join(ratios)}</ul><p class=\"note\">{_e(speed.get('note', ''))}</p></section>"
+    )
+
+
 def render_html(report: ReportInput | Iterable[CaseVerdict]) -> str:
     """The whole report page as a string."""
     if not isinstance(report, ReportInput):
@@ -429,7 +460,8 @@ def render_html(report: ReportInput | Iterable[CaseVerdict]) -> str:
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>diffcheck report: {overall.name}</title><style>{_CSS}</style></head><body>"
         f"<header><h1>diffcheck report {_badge(overall)}</h1><dl class=\"meta\">{meta}</dl></header>"
-        f"{_summary(report)}<section id=\"sequences\"><h2>Sequences (worst first)</h2>{''.join(sections)}</section>"
+        f"{_summary(report)}{_speed(report)}"
+        f"<section id=\"sequences\"><h2>Sequences (worst first)</h2>{''.join(sections)}</section>"
         "</body></html>\n"
     )
 

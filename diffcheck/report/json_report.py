@@ -11,6 +11,8 @@ key does not)::
       "meta": {...},                        # as given by the caller
       "verdict": "GIBBERISH",               # worst case verdict; IDENTICAL when no cases
       "counts": {"IDENTICAL": 3, ...},      # sequences per verdict, over all cases
+      "speed": {...} | null,                # decode tokens/s of candidate and references
+                                            # (diffcheck.report.speed.speed_summary); null = not given
       "cases": [{
         "candidate_id": str, "reference_id": str,
         "verdict": str,                     # a Verdict name
@@ -135,7 +137,8 @@ def case_dict(case: CaseVerdict, *, include_series: bool = True) -> dict[str, An
 
 
 def report_dict(
-    verdicts: Iterable[CaseVerdict], meta: Mapping[str, Any] | None = None, *, include_series: bool = True
+    verdicts: Iterable[CaseVerdict], meta: Mapping[str, Any] | None = None, *, include_series: bool = True,
+    speed: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole report as plain JSON values (what `write_json` writes)."""
     cases = list(verdicts)
@@ -149,6 +152,7 @@ def report_dict(
         "meta": to_jsonable(dict(meta or {})),
         "verdict": Verdict.worst(c.verdict for c in cases).name,
         "counts": counts,
+        "speed": to_jsonable(speed) if speed is not None else None,
         "cases": [case_dict(c, include_series=include_series) for c in cases],
     }
 
@@ -160,13 +164,14 @@ def write_json(
     *,
     indent: int | None = 1,
     include_series: bool = True,
+    speed: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the report to ``path`` atomically; returns the path.
 
     ``include_series=False`` leaves every ``series`` empty (``{}``): a small
     file for ledgers and CI artifacts that do not plot.
     """
-    report = report_dict(verdicts, meta, include_series=include_series)
+    report = report_dict(verdicts, meta, include_series=include_series, speed=speed)
     return atomic_write_text(path, dumps(report, indent=indent) + "\n")
 
 

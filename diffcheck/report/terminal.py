@@ -140,6 +140,20 @@ def render_table(
     return console
 
 
+def render_speed(speed: Mapping[str, Any] | None, console: Console | None = None) -> Console:
+    """Print the runs' decode tokens/s and the candidate's speed-up (`speed.speed_summary`); nothing without."""
+    from diffcheck.report.speed import speed_lines
+
+    console = console or make_console()
+    lines = speed_lines(speed)
+    if lines:
+        console.print(Text("speed", style="bold"))
+        for line in lines:
+            console.print(Text(printable(line)))
+        console.print()
+    return console
+
+
 def _window(tokens: tuple[str, ...], start: int, stop: int) -> str:
     return printable("".join(tokens[max(start, 0) : max(stop, 0)]))
 
