@@ -21,7 +21,7 @@ from diffcheck.pipeline import matrix as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_SUITE = ROOT / "cases" / "flash-v100-quality.toml"
-SEED_OUTCOMES = ROOT / "cases" / "flash-v100-quality.outcomes.toml"
+SEED_OUTCOMES = ROOT / "cases" / "outcomes" / "flash-v100-quality.toml"
 
 
 def brute_force(outcomes: dict[str, str], facts: dict[str, frozenset]) -> list[frozenset]:

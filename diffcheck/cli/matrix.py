@@ -65,7 +65,7 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir
       diffcheck matrix                                  the default suite, sequentially
       diffcheck matrix J O E --md reports/matrix.md     three cases, a Markdown table
       diffcheck matrix --ray --suite default            one Ray task per case, local cluster
-      diffcheck matrix --from-outcomes cases/flash-v100-quality.outcomes.toml --suite flash-v100-quality
+      diffcheck matrix --from-outcomes cases/outcomes/flash-v100-quality.toml --suite flash-v100-quality
     """
     import time
     from pathlib import Path
