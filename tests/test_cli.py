@@ -140,3 +140,15 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "diffcheck.cli", "--version"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and __version__ in out.stdout
+
+
+def test_global_options_stand_anywhere_and_json_goes_to_a_file_or_stdout(tmp_path, capsys):
+    from diffcheck.cli import _globals_first
+
+    assert _globals_first(["compare", "O", "-v"]) == ["-v", "compare", "O"]
+    assert _globals_first(["bisect", "K", "--", "-v"]) == ["bisect", "K", "--", "-v"]
+    out = tmp_path / "show.json"
+    assert main(["cases", "show", "O", "-v", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["id"] == "O"
+    assert main(["cases", "show", "O", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == "O"

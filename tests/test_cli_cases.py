@@ -66,7 +66,7 @@ def test_show_defaults_to_the_default_suite():
 
 
 def test_show_json():
-    result = invoke("cases", "show", "O", "--suite", "flash-v100-quality", "--json")
+    result = invoke("cases", "show", "O", "--suite", "flash-v100-quality", "--json", "-")
     assert result.return_value == 0
     data = json.loads(result.output)
     assert data["deltas"]["J"]["engine.enforce_eager"] == [True, False]

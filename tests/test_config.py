@@ -120,13 +120,13 @@ def test_a_missing_suite_names_the_projects_and_the_shipped(project):
 def test_cli_suite_default_follows_the_config(project, monkeypatch, capsys):
     write_suite(project / "cases", {"Q": {"role": "reference", "description": "q"}}, name="mine")
     pyproject(project, 'suite = "mine"\n')
-    assert main(["cases", "show", "Q", "--json"]) == 0
+    assert main(["cases", "show", "Q", "--json", "-"]) == 0
     assert '"suite": "mine"' in capsys.readouterr().out
     write_suite(project / "cases", {"R": {"role": "reference", "description": "r"}}, name="other")
     monkeypatch.setenv("DIFFCHECK_SUITE", "other")
-    assert main(["cases", "show", "R", "--json"]) == 0
+    assert main(["cases", "show", "R", "--json", "-"]) == 0
     assert '"suite": "other"' in capsys.readouterr().out
-    assert main(["cases", "show", "Q", "--suite", "mine", "--json"]) == 0  # the flag wins
+    assert main(["cases", "show", "Q", "--suite", "mine", "--json", "-"]) == 0  # the flag wins
     assert '"suite": "mine"' in capsys.readouterr().out
 
 

@@ -308,7 +308,7 @@ def test_cli_json(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     k = load_case(suite_path, "K")
     led.add(make_run(k, CLEAN), path="k", case=k)
-    res = _cli("ledger", "--goldens", str(tmp_path), "--json", "--case", "K")
+    res = _cli("ledger", "--goldens", str(tmp_path), "--json", "-", "--case", "K")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert [g["cases"] for g in data["groups"]] == [["K"]]

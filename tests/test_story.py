@@ -122,7 +122,7 @@ def test_a_project_anywhere(venv, model_path, tmp_path):
     assert where.returncode == 0, _show(where)
     site_dir = str(venv / "lib")
     assert all(line.startswith(site_dir) for line in where.stdout.split()), where.stdout  # the wheel's copies
-    shown = _run([diffcheck, "cases", "show", "O", "--suite", "default", "--json"], cwd=repo, env=env)
+    shown = _run([diffcheck, "cases", "show", "O", "--suite", "default", "--json", "-"], cwd=repo, env=env)
     assert shown.returncode == 0 and '"suite": "default"' in shown.stdout, _show(shown)  # a shipped suite
 
     init = _run([diffcheck, "init"], cwd=repo, env=env)

@@ -10,6 +10,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -75,7 +76,20 @@ def cli(ctx, verbose):
     ctx.obj["verbose"] = verbose
 
 
+GLOBAL_FLAGS = ("-v", "--verbose")
+
+
+def _globals_first(argv: list[str]) -> list[str]:
+    """Global options may stand anywhere (``diffcheck compare O -v``): move them before the
+    subcommand, where click reads them. Everything after a ``--`` is left alone."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    flags = [a for a in argv[:end] if a in GLOBAL_FLAGS]
+    rest = [a for a in argv[:end] if a not in GLOBAL_FLAGS]
+    return flags + rest + argv[end:]
+
+
 def main(argv=None) -> int:
+    argv = _globals_first(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = cli.main(args=argv, prog_name="diffcheck", standalone_mode=False)
     except DiffcheckError as exc:

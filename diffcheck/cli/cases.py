@@ -11,7 +11,7 @@ import json
 
 import click
 
-from diffcheck.cli.common import SUITE_DEFAULT_TEXT, default_suite
+from diffcheck.cli.common import SUITE_DEFAULT_TEXT, default_suite, json_option, write_json_out
 
 _SUITE_HELP = "Suite name (<cases>/<name>.toml, or shipped with diffcheck) or path to a suite file."
 
@@ -54,8 +54,8 @@ def list_(suite):
 @cases.command(name="show")
 @click.argument("case_id")
 @click.option("--suite", "-s", default=default_suite, show_default=SUITE_DEFAULT_TEXT, help=_SUITE_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def show(case_id, suite, as_json):
+@json_option
+def show(case_id, suite, json_path):
     """Show CASE_ID's resolved config and how it differs from its references."""
     from diffcheck import cases as lang
 
@@ -76,10 +76,10 @@ def show(case_id, suite, as_json):
         "tolerances": case.tolerances,
         "digest": lang.config_digest(case),
     }
-    if as_json:
+    if json_path:
         out = {**facts, "resolved": resolved,
                "deltas": {ref: {path: list(pair) for path, pair in d.items()} for ref, d in deltas.items()}}
-        click.echo(json.dumps(out, indent=2, sort_keys=False))
+        write_json_out(json_path, out)
         return 0
     _print_show(facts, resolved, deltas, case_id=case.id)
     return 0

@@ -61,13 +61,13 @@ def verify(suite, goldens):
     root = runner.goldens_root(goldens)
     folder = Path(root) / cases.load_suite(suite).name
     if not folder.is_dir():
-        raise DataError(f"{folder}: no goldens for suite '{suite}'; record them with `make golden`")
+        raise DataError(f"{folder}: no goldens for suite '{suite}'; record them with `diffcheck golden record --suite {suite}`")
     results = store.verify_folder(folder)
     bad = [r for r in results if not r.ok]
     for r in results:
         click.echo(f"ok  {r.path}" if r.ok else f"BAD {r.message}")
     if not results:
-        raise DataError(f"{folder}: no goldens found; record them with `make golden`")
+        raise DataError(f"{folder}: no goldens found; record them with `diffcheck golden record --suite {suite}`")
     if bad:
         raise DataError(f"{len(bad)} of {len(results)} files failed verification (first: {bad[0].message})")
     click.echo(f"{len(results)} files verified")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.cli.common import goldens_option
+from diffcheck.cli.common import goldens_option, json_option, write_json_out
 
 
 def _row(entry) -> dict:
@@ -41,15 +41,14 @@ def render_groups(groups) -> list[str]:
 @goldens_option
 @click.option("--suite", "-s", default=None, help="Only runs of this suite.")
 @click.option("--case", "case_id", default=None, help="Only runs of this case id.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: groups of runs.")
-def ledger(goldens, suite, case_id, as_json):
+@json_option
+def ledger(goldens, suite, case_id, json_path):
     """List recorded runs, grouped by identical output (content digest).
 
     Every run an engine executed is in the ledger with its config digest,
     engine version and commit, model digest, output digest, verdict and
     timings. Runs in one group produced exactly the same output.
     """
-    import json
 
     from diffcheck.storage import ledger as ledgermod
     from diffcheck.pipeline import runner
@@ -62,11 +61,11 @@ def ledger(goldens, suite, case_id, as_json):
                         "`diffcheck compare` (or pass --goldens)")
     led = ledgermod.Ledger.open(root)
     groups = led.groups(case_id=case_id, suite=suite)
-    if as_json:
+    if json_path:
         out = {"ledger": str(path), "groups": [{"output_digest": g[0].output_digest,
                                                 "cases": sorted({e.case_id for e in g}),
                                                 "runs": [_row(e) for e in g]} for g in groups]}
-        click.echo(json.dumps(out, indent=2))
+        write_json_out(json_path, out)
         return 0
     n = sum(len(g) for g in groups)
     click.echo(f"ledger {path}: {n} run{'s' * (n != 1)}, {len(groups)} distinct output{'s' * (len(groups) != 1)}")

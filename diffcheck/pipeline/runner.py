@@ -179,7 +179,7 @@ def _meta_delta(old, new) -> dict:
 def load_golden(root: Path, suite: str, case_id: str) -> Run:
     path = store.run_path(root, suite, case_id)
     if not path.exists():
-        raise DataError(f"{path}: no golden for '{case_id}'; record it with `make golden` or "
+        raise DataError(f"{path}: no golden for '{case_id}'; record it with "
                         f"`diffcheck golden record {case_id} --suite {suite}`")
     return store.read_run(path)
 
