@@ -5,8 +5,12 @@
 #   bash tools/gpu/device-run.sh collect            copy carried bundle files into $HOME/bundle
 #   bash tools/gpu/device-run.sh install            + install.sh (verify, install, model prepare)
 #   bash tools/gpu/device-run.sh goldens CASE...    diffcheck golden record --suite gpu-h200 CASE...
-#   bash tools/gpu/device-run.sh compare CASE...    diffcheck compare CASE --json --html, each
-#   bash tools/gpu/device-run.sh speed              tools/gpu/speed.py (the speed table)
+#   bash tools/gpu/device-run.sh calibrate [IDS]    diffcheck calibrate IDS (default J): floor replicas on the GPU
+#   bash tools/gpu/device-run.sh compare [--replay full|partial] CASE...
+#                                                   diffcheck compare CASE --json --html, each
+#   bash tools/gpu/device-run.sh kernels [ARGS]     diffcheck kernels --device cuda for vLLM's own decode
+#                                                   attention, stored in goldens/kernels/vllm-0.26/
+#   bash tools/gpu/device-run.sh speed [ARGS]       tools/gpu/speed.py (the speed table; full vs partial replay)
 #
 # Several stages may be given in one call, separated by '--'. State lives in $HOME
 # (the bundle, the install, the model, the goldens written so far), which survives
@@ -25,7 +29,9 @@ export PYTHONUNBUFFERED=1
 # The checkout first on the path: its diffcheck (and its fault modules) win over the
 # bundled wheel's copy; the wheel's dist-info still provides the vLLM plugin entry point.
 use_env() {
-  export PYTHONPATH="$REPO:$DEST/site"
+  # diffcheck_kernels is the checkout's kernels/ (the bundled wheel's copy would be older): a link first on the path
+  mkdir -p "$STATE/shim" && ln -sfn "$REPO/kernels" "$STATE/shim/diffcheck_kernels"
+  export PYTHONPATH="$STATE/shim:$REPO:$DEST/site"
   export DIFFCHECK_CACHE="$DEST/cache"
   export TMPDIR="$STATE/tmp"; mkdir -p "$TMPDIR"   # engine logs land here (collected below)
   DC="python3 -m diffcheck.cli"
@@ -35,9 +41,10 @@ restore_goldens() {
   if [ -d "$STATE/goldens" ]; then cp -a "$STATE/goldens/." "$REPO/goldens/"; fi
 }
 
-save_goldens() {  # this suite's data and the ledger; never the scripts (restore would overwrite the running one)
-  mkdir -p "$STATE/goldens/gpu-h200"
+save_goldens() {  # this suite's data, kernel results and the ledger; never the scripts (restore would overwrite the running one)
+  mkdir -p "$STATE/goldens/gpu-h200" "$STATE/goldens/kernels"
   (cd "$REPO/goldens/gpu-h200" && cp -a ./*.parquet MANIFEST.json speed.json reports "$STATE/goldens/gpu-h200/" 2>/dev/null) || true
+  cp -a "$REPO/goldens/kernels/." "$STATE/goldens/kernels/" 2>/dev/null || true
   cp -a "$REPO"/goldens/ledger* "$STATE/goldens/" 2>/dev/null || true
 }
 
@@ -70,20 +77,42 @@ stage() {
       use_env
       timed "golden-record" $DC golden record --suite gpu-h200 "$@"
       ;;
+    calibrate)  # the floor: replicas of each reference (fresh engine, batch shapes 3 and 5) forced along its golden
+      use_env
+      local ids=("$@"); [ ${#ids[@]} -gt 0 ] || ids=(J)
+      for c in "${ids[@]}"; do
+        timed "calibrate-$c" $DC calibrate "$c" --suite gpu-h200
+      done
+      ;;
     compare)
       use_env
       mkdir -p goldens/gpu-h200/reports
+      local flags=()
+      while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do flags+=("$1" "$2"); shift 2; done   # e.g. --replay full
       for c in "$@"; do
-        timed "compare-$c" $DC compare "$c" --suite gpu-h200 \
+        timed "compare-$c" $DC compare "$c" --suite gpu-h200 "${flags[@]+"${flags[@]}"}" \
           --json "goldens/gpu-h200/reports/$c.json" --html "goldens/gpu-h200/reports/$c.html"
       done
+      ;;
+    kernels)  # vLLM's Triton unified attention and FA3 under CUDA graphs, with the seq-lens-copy fault; ARGS e.g. --suite quick
+      use_env
+      local kout=goldens/kernels/vllm-0.26
+      mkdir -p "$kout"
+      timed kernels $DC kernels --device cuda --kernels vllm-triton-unified,vllm-fa3 --out "$kout" \
+        --json "$kout/cuda-h200.json" "$@"
+      if [ -f "$kout/cuda-h200.json" ]; then   # store what ran, pass or fail; the log above has the verdict
+        timed kernels-store $DC kernels --from-json "$kout/cuda-h200.json" --out "$kout" --update
+      fi
+      if python3 -c "import pytest" 2>/dev/null; then
+        timed kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_vllm_kernels.py tests/test_kernels.py -m cuda
+      fi
       ;;
     speed)
       use_env
       timed speed python3 tools/gpu/speed.py --out goldens/gpu-h200/speed.json "$@"
       ;;
     *)
-      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, compare, speed)" >&2
+      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, kernels, speed)" >&2
       return 2
       ;;
   esac

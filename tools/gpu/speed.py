@@ -3,47 +3,95 @@
 For each engine configuration of the gpu-h200 suite (J: eager, L: FULL decode graph
 without torch.compile, O: FULL decode graph with torch.compile), one engine at a time:
 
-- start-up seconds (model load, compile, graph capture);
-- generation of the suite's prompts with top-20 logprob capture, after one warm-up
-  generation (Triton JIT and autotuning stay out of the number): tokens/s;
-- the same generation without logprobs: the capture overhead;
-- forced decode replay along golden J: the replay overhead against plain generation.
+- start-up seconds (model load, compile, graph capture), and the graph-capture seconds
+  vLLM logs ("Graph capturing finished in N secs"), where it logs them;
+- one warm-up generation (Triton JIT and autotuning stay out of the numbers); it is
+  also the candidate run the partial replay below plans against;
+- then ``--repeats`` rounds, each running every measurement once, so that drift in
+  the machine hits all of them alike (side by side):
+  - generation of the suite's prompts with top-20 logprob capture: tokens/s;
+  - the same generation without logprobs; their difference is the **capture
+    overhead** row (seconds per 1024 tokens, and its share of the time);
+  - forced decode replay along golden J, **full** (every sequence from step 0);
+  - forced decode replay along golden J, **partial** (`diffcheck.pipeline.replay`:
+    nothing for a sequence whose tokens equal J's, the rest from t*, prompt + shared
+    prefix prefilled; with prefix caching on, mostly a cache hit): the steps the
+    engine produced, their tokens/s, and the forced path's tokens/s.
 
-tokens/s counts generated tokens over the wall time of ``LLM.generate`` for the whole
-batch (4 prompts, <= 256 tokens each), prefill included; with ~150-token prompts the
-prefill is a small part. Needs golden J (``diffcheck golden record J --suite gpu-h200``).
-Writes a JSON file and prints a Markdown table. Not a test: nothing is asserted.
+Best of the rounds is used. tokens/s counts generated tokens over the wall time of
+``LLM.generate`` for the whole batch (4 prompts, <= 256 tokens each), prefill included;
+with ~150-token prompts the prefill is a small part. Needs golden J (``diffcheck golden
+record J --suite gpu-h200``). Writes a JSON file (the keys ``logprobs20``, ``no_logprobs``
+and ``forced`` keep their meaning: ``forced`` is the full replay) and prints Markdown
+tables. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+
+GRAPH_CAPTURE = re.compile(r"Graph capturing finished in ([0-9.]+) secs")
+
+
+def graph_capture_seconds(log_path) -> float | None:
+    """What vLLM logged for its CUDA graph capture (the last such line of the engine log), or None."""
+    try:
+        text = Path(log_path).read_text(errors="replace") if log_path else ""
+    except OSError:
+        return None
+    found = GRAPH_CAPTURE.findall(text)
+    return float(found[-1]) if found else None
+
+
+def _entry(tokens: int, seconds: list[float], **extra) -> dict:
+    best = min(seconds)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / best if best else None, **extra}
 
 
 def measure(case, golden, *, repeats: int) -> dict:
-    from diffcheck.pipeline import runner
+    from diffcheck.pipeline import replay, runner
 
     with runner.open_engine(case) as engine:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
+               "graph_capture_s": graph_capture_seconds(getattr(engine, "log_path", None)),
                "effective": engine.info().get("effective", {}), "forcing_mechanism": engine.mechanism}
-        engine.generate()  # warm-up
-        for label, logprobs in (("logprobs20", True), ("no_logprobs", False)):
-            times, tokens = [], 0
-            for _ in range(repeats):
-                timed = engine.time_generate(logprobs=logprobs)
-                times.append(timed.seconds)
-                tokens = timed.n_tokens
-            best = min(times)
-            row[label] = {"tokens": tokens, "seconds": times, "tokens_per_s": tokens / best}
-        forced_times = []
+        own = engine.generate()  # warm-up, and the run the partial replay plans against
+        full = replay.plan(golden, own, "full")
+        partial = replay.plan(golden, own, "partial")
+        times: dict[str, list[float]] = {k: [] for k in ("logprobs20", "no_logprobs", "forced", "forced_partial")}
+        tokens: dict[str, int] = {}
         for _ in range(repeats):
-            engine.force(golden)
-            forced_times.append(engine.timings["force_s"])
-        row["forced"] = {"tokens": golden.n_tokens, "seconds": forced_times,
-                         "tokens_per_s": golden.n_tokens / min(forced_times)}
+            for label, logprobs in (("logprobs20", True), ("no_logprobs", False)):
+                timed = engine.time_generate(logprobs=logprobs)
+                times[label].append(timed.seconds)
+                tokens[label] = timed.n_tokens
+            engine.force(golden, starts=full.starts)
+            times["forced"].append(engine.timings["force_s"])
+            if partial.replayed:
+                engine.force(golden, starts=partial.starts)
+                times["forced_partial"].append(engine.timings["force_s"])
+            else:
+                times["forced_partial"].append(0.0)
+    row["logprobs20"] = _entry(tokens["logprobs20"], times["logprobs20"])
+    row["no_logprobs"] = _entry(tokens["no_logprobs"], times["no_logprobs"])
+    lp, nolp = min(times["logprobs20"]), min(times["no_logprobs"])
+    row["capture_overhead"] = {"seconds": lp - nolp, "per_1024_tokens_s": (lp - nolp) * 1024 / tokens["logprobs20"],
+                               "fraction_of_time": (lp - nolp) / lp if lp else None}
+    row["forced"] = _entry(full.replay_steps, times["forced"], replay="full")
+    best_partial = min(times["forced_partial"])
+    row["forced_partial"] = _entry(partial.replay_steps, times["forced_partial"], replay="partial",
+                                   path_steps=golden.n_tokens,
+                                   path_tokens_per_s=golden.n_tokens / best_partial if best_partial else None,
+                                   replayed=list(partial.replayed), reused=list(partial.reused),
+                                   starts=list(partial.starts))
     return row
+
+
+def _f(value, fmt="{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def main() -> int:
@@ -53,7 +101,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")
     parser.add_argument("--cases", default="J,L,O", help="comma-separated case ids, measured in this order")
-    parser.add_argument("--repeats", type=int, default=2, help="timed repetitions of each measurement (best is used)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds of every measurement (best is used)")
     parser.add_argument("--out", type=Path, default=Path("goldens/gpu-h200/speed.json"))
     args = parser.parse_args()
 
@@ -62,20 +110,35 @@ def main() -> int:
     rows = []
     for cid in args.cases.split(","):
         rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats))
-        print(json.dumps({k: rows[-1][k] for k in ("case", "startup_s", "logprobs20", "no_logprobs", "forced")}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"suite": suite.name, "rows": rows}, indent=2) + "\n")
+        print(json.dumps({k: rows[-1][k] for k in ("case", "startup_s", "graph_capture_s", "logprobs20", "no_logprobs",
+                                                   "capture_overhead", "forced", "forced_partial")}), flush=True)
+        # written after every engine, so a call stopped at its time limit keeps what was measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"suite": suite.name, "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
 
     base = rows[0]["logprobs20"]["tokens_per_s"]
-    print("| case | engine | start-up s | tokens/s (top-20 logprobs) | vs first row | tokens/s (no logprobs) "
-          "| capture overhead | forced replay tokens/s | replay / generate time |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | engine | start-up s | graph capture s | tokens/s (top-20 logprobs) | vs first row "
+          "| tokens/s (no logprobs) | capture overhead | forced full tokens/s | replay / generate time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eff = r["effective"]
         engine = f"{eff.get('attention_backend')}, cudagraph {eff.get('cudagraph_mode')}, compile {eff.get('compile_mode')}"
         lp, nolp, forced = r["logprobs20"]["tokens_per_s"], r["no_logprobs"]["tokens_per_s"], r["forced"]["tokens_per_s"]
-        print(f"| {r['case']} | {engine} | {r['startup_s']:.1f} | {lp:.0f} | {lp / base:.2f}x | {nolp:.0f} "
-              f"| {nolp / lp - 1:+.0%} | {forced:.0f} | {lp / forced:.2f}x |")
+        cap = r["capture_overhead"]
+        print(f"| {r['case']} | {engine} | {r['startup_s']:.1f} | {_f(r['graph_capture_s'], '{:.1f}')} | {lp:.0f} "
+              f"| {lp / base:.2f}x | {nolp:.0f} | {cap['per_1024_tokens_s']:+.2f} s per 1024 tokens "
+              f"({_f(cap['fraction_of_time'], '{:+.0%}')}) | {forced:.0f} | {lp / forced:.2f}x |")
+    print()
+    print("| case | forced full: steps, s, tokens/s | forced partial: steps replayed (sequences), s, tokens/s "
+          "| forced path tokens/s, full / partial | partial speed-up |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        full, part = r["forced"], r["forced_partial"]
+        full_s, part_s = min(full["seconds"]), min(part["seconds"])
+        print(f"| {r['case']} | {full['tokens']}, {full_s:.2f}, {_f(full['tokens_per_s'])} "
+              f"| {part['tokens']} ({len(part['replayed'])} of {len(part['starts'])}), {part_s:.2f}, "
+              f"{_f(part['tokens_per_s'])} | {_f(full['tokens_per_s'])} / {_f(part['path_tokens_per_s'])} "
+              f"| {_f(full_s / part_s if part_s else None, '{:.2f}x')} |")
     return 0
 
 
