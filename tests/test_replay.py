@@ -42,7 +42,8 @@ def forced_rows_run(paths, starts):
     """What an engine returns for `starts`: sequence i holds the model's rows along paths[i] from starts[i]."""
     parts = [list(p)[s:] if s is not None else [] for p, s in zip(paths, starts)]
     rows = [model_rows(p)[s:] if s is not None else np.zeros((0, V)) for p, s in zip(paths, starts)]
-    return make_run([np.asarray(p, np.int64) for p in parts], distributions=rows, k=K, prompt_token_ids=PROMPT, kind="forced", role="candidate",
+    return make_run([np.asarray(p, np.int64) for p in parts], distributions=rows, k=K, prompt_token_ids=PROMPT,
+                    kind="forced", role="candidate",
                     case_id="O", source={"reference": "J", "mechanism": "test", "from_steps": list(starts)},
                     timings={"force_s": 1.5, "force_tokens": sum(len(p) for p in parts)})
 
@@ -151,3 +152,15 @@ def test_mode_for_case_tag_step_faults_and_requests(tmp_path):
     assert replay.mode_for(suite.cases["O"], "full") == ("full", "requested")
     with pytest.raises(ConfigError, match="valid: partial, full"):
         replay.mode_for(suite.cases["O"], "half")
+
+
+def test_a_stored_full_replay_serves_a_partial_request_not_the_other_way():
+    golden = generate_run(G[:2])
+    full = forced_rows_run(G[:2], [0, 0])  # a forced run from before partial replay: no "replay" key
+    assert replay.forced_meta_mode(full) == "full"
+    assert replay.serves(full, "partial") and replay.serves(full, "full")
+    candidate = generate_run([G[0], G[1][:3] + [0] * 9], role="candidate", case_id="O")
+    todo = replay.plan(golden, candidate, "partial")
+    part = replay.assemble(golden, candidate, todo, forced_rows_run(G[:2], todo.starts), reference_id="J",
+                           mechanism="test")
+    assert replay.serves(part, "partial") and not replay.serves(part, "full")

@@ -190,4 +190,12 @@ def forced_meta_mode(run: Run) -> str:
     return str(run.meta.source.get("replay", "full"))
 
 
-__all__ = ["MODES", "FULL_TAG", "ReplayPlan", "mode_for", "plan", "assemble", "shared_prefix", "forced_meta_mode"]
+def serves(run: Run, mode: str) -> bool:
+    """Whether a stored forced run may stand in for a replay in `mode`: its own mode, or a full
+    replay for a partial one (every row from the decode path, which partial would reuse or replay)."""
+    stored = forced_meta_mode(run)
+    return stored == mode or (mode == "partial" and stored == "full")
+
+
+__all__ = ["MODES", "FULL_TAG", "ReplayPlan", "mode_for", "plan", "assemble", "shared_prefix", "forced_meta_mode",
+           "serves"]

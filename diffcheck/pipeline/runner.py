@@ -250,9 +250,10 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
                 cand = store.read_run(run_file)
                 if store.content_digest(cand) == hit.content_digest:
                     forced = {r: store.read_run(p) for r, p in forced_files.items()}
-                    if all(replaymod.forced_meta_mode(f) == mode for f in forced.values()):
-                        return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model, "
-                                              f"{mode} replay; --force reruns)"]
+                    if all(replaymod.serves(f, mode) for f in forced.values()):
+                        modes = sorted({replaymod.forced_meta_mode(f) for f in forced.values()})
+                        return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model; "
+                                              f"{'/'.join(modes)} replay; --force reruns)"]
             except DataError:
                 pass
     echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
