@@ -38,6 +38,7 @@ LABELS = {"generate": "generation", "topk_logprobs": "top-k logprobs", "forced_r
 # kind -> the module whose @register_engine(kind) class serves it. Add a kind here and in that module.
 ENGINE_MODULES = {
     "vllm": "diffcheck.engines.vllm_offline",
+    "openai": "diffcheck.engines.openai_server",
 }
 KINDS = tuple(ENGINE_MODULES)
 
