@@ -102,8 +102,11 @@ def sequential_matrix(tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
     led = ledger.Ledger.open(goldens)
     before = led.entries()
-    second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
-    return {"suite": suite, "goldens": goldens, "first": "".join(first), "rc_first": rc_first,
+    reports = folder / "reports"
+    second = subprocess.run(cmd + ["--md", str(reports / "matrix.md"), "--json", str(reports / "json"),
+                                   "--junit", str(reports / "junit"), "--html", str(reports / "html")],
+                            capture_output=True, text=True, env=_env(), timeout=900)
+    return {"reports": reports, "suite": suite, "goldens": goldens, "first": "".join(first), "rc_first": rc_first,
             "interrupted": interrupted, "survivors": survivors, "before": before,
             "after": led.entries(), "second": second}
 
@@ -128,6 +131,24 @@ def test_an_interrupted_matrix_resumes_without_repeating_a_finished_run(sequenti
     assert "IDENTICAL" in out and ("DEGRADED" in out or "GIBBERISH" in out)
     assert "narrowing: 1 bad (E), 2 clean (J, S1)" in out
     assert "DIFFCHECK_FAULT=stale-decode-metadata" in out.split("main cause:", 1)[1]
+
+
+def test_the_resumed_matrix_writes_every_report(sequential_matrix):
+    import json
+    import xml.etree.ElementTree as ET
+
+    reports = sequential_matrix["reports"]
+    page = (reports / "matrix.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) >= {"J", "S1", "E"} and "| golden |" in rows["J"] and "| IDENTICAL |" in rows["S1"]
+    assert "## Narrowing" in page
+    for cid in ("S1", "E"):
+        report = json.loads((reports / "json" / f"{cid}.json").read_text())
+        assert [c["candidate_id"] for c in report["cases"]] == [cid]
+        assert report["verdict"] in rows[cid]
+        ET.parse(reports / "junit" / f"{cid}.xml")
+        assert (reports / "html" / f"{cid}.html").read_text().lstrip().lower().startswith("<!doctype html")
+    assert not (reports / "json" / "J.json").exists()  # a golden is not compared
 
 
 # -- Ray ---------------------------------------------------------------------------------------------------

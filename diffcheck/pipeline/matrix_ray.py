@@ -62,9 +62,20 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, object_store_m
     if ray.is_initialized():
         return ray
     if address == LOCAL:
+        try:  # ray imported before the variable was set computed it already
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
+        except (ImportError, AttributeError):
+            pass
         ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=num_cpus or os.cpu_count(),
                  object_store_memory=object_store_mb * 1024 * 1024, log_to_driver=False,
                  configure_logging=False)
+        gcs = ray.get_runtime_context().gcs_address
+        if not gcs.startswith(f"{LOOPBACK}:"):
+            ray.shutdown()
+            raise DiffcheckError(f"--ray: the local Ray cluster came up on {gcs}, not on {LOOPBACK}; refusing to use "
+                                 "it (this Ray does not honour RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)")
     else:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     return ray
