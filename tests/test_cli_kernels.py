@@ -113,3 +113,23 @@ def test_cuda_without_gpu_is_a_usage_error(capsys, tmp_path, monkeypatch):
     code = main(["kernels", "--device", "cuda", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "--device" in err and "no CUDA device" in err
+
+
+def test_recorded_vllm_gpu_kernels_rejudge_offline(capsys, tmp_path):
+    """The H200 run of vLLM's own decode attention (Triton unified, FA3) through vLLM's
+    metadata builders under CUDA-graph replay, re-judged here without a GPU: every case
+    within tolerance, and every broken builder, the seq-lens-copy fault included, caught."""
+    from pathlib import Path
+
+    recorded = Path(__file__).resolve().parent.parent / "goldens" / "kernels" / "vllm-0.26" / "cuda-h200.json"
+    suite = read_json(recorded)
+    kernels = {r.kernel for r in suite.rows}
+    assert kernels == {"vllm-triton-unified", "vllm-fa3"}
+    graph = [r for r in suite.rows if r.mode == "graph" and r.builder == "refresh"]
+    assert graph and all(r.verdict == "PASS" for r in graph)
+    faults = {(r.kernel, r.builder): r.verdict for r in suite.rows if r.builder not in ("-", "refresh")}
+    for kernel in kernels:
+        assert faults[(kernel, "seq-lens-copy")] == "CAUGHT", faults
+        assert faults[(kernel, "seq-lens-copy:fixed")] == "PASS", faults
+    assert main(["kernels", "--device", "cuda", "--from-json", str(recorded), "--out", str(tmp_path)]) == 0
+    assert "broken builders caught" in capsys.readouterr().out
