@@ -78,7 +78,8 @@ def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> di
         cand = engine.generate()
         full_plan = replay.plan(golden, cand, "full")
         part_plan = replay.plan(golden, cand, "partial")
-        print(f"{cid}: up in {startup:.0f} s; generated {cand.n_tokens} tokens in {engine.timings['generate_s']:.1f} s; "
+        print(f"{cid}: up in {startup:.0f} s; generated {cand.n_tokens} tokens in "
+              f"{engine.timings['generate_s']:.1f} s; "
               f"partial plan: {part_plan.describe()}", flush=True)
         full_s, part_s = [], []
         full = part = None
