@@ -1,27 +1,8 @@
-"""The case language's schema: the `Case` data, the keys each table takes, one-line errors.
+"""The case language's schema: the `Case` data, the keys each table takes, and the
+one-line errors (`_Errors`) that name the file, the case, the key and what is valid.
 
-Part of `diffcheck.cases` (the package docstring has the rules of the language).
-
-Knows the TOML schema of suites and prompt files, inheritance, ``${VAR}``
-expansion, and what defines a run (`resolved_config`, `config_digest`,
-`config_delta`). Knows nothing about engines: an `EngineConfig` is data; how a
-field maps onto vLLM (``kv_cache_memory_gib`` -> ``VLLM_CPU_KVCACHE_SPACE`` on
-CPU, ...) is the engine adapter's business.
-
-Rules of the language (a suite with one bad case is refused whole; every error
-is one `ConfigError` line naming the file, the case, the key and what is valid):
-
-- ``[defaults]`` is the implicit base of every case; ``inherits = "ID"`` adds a
-  parent. Tables merge recursively (the child's keys win), lists and scalars
-  replace. ``expect`` and ``description`` are *not* inherited: they label one
-  case, not a configuration (a fault case inheriting a clean case must not
-  inherit "not GIBBERISH").
-- TOML has no null: ``key = "default"`` in ``sampling``/``engine`` resets an
-  inherited value to the engine's own default.
-- ``model`` and ``prompts`` expand ``${VAR}`` and ``${VAR:-default}`` from the
-  environment; ``prompts`` is relative to the suite file's folder.
-- A candidate names its references; references must be cases of role
-  ``reference`` with the same prompts (runs are compared prompt by prompt).
+Part of `diffcheck.cases`: the package docstring has the rules of the language.
+Knows nothing about engines: an `EngineConfig` is data.
 """
 
 from __future__ import annotations
