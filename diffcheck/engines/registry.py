@@ -39,6 +39,7 @@ LABELS = {"generate": "generation", "topk_logprobs": "top-k logprobs", "forced_r
 ENGINE_MODULES = {
     "vllm": "diffcheck.engines.vllm_offline",
     "openai": "diffcheck.engines.openai_server",
+    "hf": "diffcheck.engines.hf",
 }
 KINDS = tuple(ENGINE_MODULES)
 
