@@ -102,39 +102,23 @@ def golden_task(case, verbose: bool = False):
     return run
 
 
-def candidate_runs(case, references: list[str], goldens: dict, *, verbose: bool = False):
-    """The engine half of `runner.run_candidate`, which writes nothing: generate, then force along
-    each golden with the same replay plan (`diffcheck.pipeline.replay`). Returns (candidate, {ref: forced}).
-    The Ray test compares what this returns with a sequential matrix's files, digest for digest."""
-    from diffcheck.pipeline import replay as replaymod
-    from diffcheck.pipeline import runner
-
-    mode, _ = replaymod.mode_for(case, None)
-    with runner.open_engine(case, verbose=verbose) as engine:
-        cand = runner._with_config(engine.generate(), case)
-        forced = {}
-        for ref_id in references:
-            golden = goldens[ref_id]
-            todo = replaymod.plan(golden, cand, mode)
-            part = engine.force(golden, starts=todo.starts) if todo.replayed else None
-            run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
-            forced[ref_id] = runner._with_config(run, case)
-    return cand, forced
-
-
 def candidate_task(case, ref_cases: dict, goldens: dict, verbose: bool = False):
     """Generate the candidate, force it along each golden, score it where it diverged.
 
     Returns (candidate, {ref: forced}, {ref: scored}, seconds)."""
-    from diffcheck.pipeline import runner
-
     import ray
+
+    from diffcheck.pipeline import replay as replaymod
+    from diffcheck.pipeline import runner
 
     t0 = time.perf_counter()
     # Goldens come as object refs (put once, shared by every task); refs nested in a dict are not
     # resolved by Ray itself.
     goldens = {r: ray.get(g) if isinstance(g, ray.ObjectRef) else g for r, g in goldens.items()}
-    cand, forced = candidate_runs(case, list(ref_cases), goldens, verbose=verbose)
+    mode, why = replaymod.mode_for(case, None)
+    references = runner.candidate_references(case, list(ref_cases))
+    cand, forced = runner.generate_candidate(case, references, goldens, mode=mode, why=why, verbose=verbose,
+                                             echo=lambda _: None)
     scored = {}
     for ref_id, ref_case in ref_cases.items():
         if runner._differs(goldens[ref_id], cand):
@@ -187,46 +171,12 @@ class _ReturnedPool:
         return self.engine
 
 
-def cached_candidate(case, goldens: dict, *, root: Path):
-    """The ledger's identical run of `case` when its files are intact (what `runner.run_candidate`
-    reuses), else None."""
-    from diffcheck.errors import DataError
-    from diffcheck.pipeline import replay as replaymod
-    from diffcheck.storage import ledger, store
-
-    hit = ledger.Ledger.open(root).lookup(ledger.key_for(case, goldens=goldens))
-    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
-    forced_files = [store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in case.references]
-    if hit is None or not run_file.exists() or not all(p.exists() for p in forced_files):
-        return None
-    try:
-        cand = store.read_run(run_file)
-        mode, _ = replaymod.mode_for(case, None)
-        if store.content_digest(cand) != hit.content_digest:
-            return None
-        if not all(replaymod.forced_meta_mode(store.read_run(p)) == mode for p in forced_files):
-            return None
-    except DataError:
-        return None
-    return cand
-
-
-def store_candidate(case, cand, forced: dict, goldens: dict, *, root: Path) -> None:
-    """Write a candidate run and its forced runs beside the goldens and add it to the ledger (driver only)."""
-    from diffcheck.storage import ledger, store
-
-    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
-    store.write_run(run_file, cand)
-    for ref_id, run in forced.items():
-        store.write_run(store.run_path(root, case.suite, case.id, kind="forced", reference=ref_id), run)
-    ledger.Ledger.open(root).add(cand, path=run_file, case=case, key=ledger.key_for(case, goldens=goldens))
-
-
 def run(suite, p, *, root: Path, address: str = LOCAL, echo: Echo = print, force: bool = False,
         verbose: bool = False, cpus_per_rank: float = 1.0):
     """The goldens, then the candidates, as Ray tasks; returns (comparisons, golden errors) like a
     sequential matrix."""
     from diffcheck.pipeline import matrix as mx
+    from diffcheck.pipeline import replay as replaymod
     from diffcheck.pipeline import runner
     from diffcheck.storage import store
 
@@ -270,7 +220,9 @@ def run(suite, p, *, root: Path, address: str = LOCAL, echo: Echo = print, force
             comparisons[case.id] = mx.error_comparison(case, f"golden {missing[0]} failed: {golden_errors[missing[0]]}")
             continue
         goldens = {r: runner.load_golden(root, suite.name, r) for r in case.references}
-        if not force and cached_candidate(case, goldens, root=root) is not None:
+        mode, _ = replaymod.mode_for(case, None)
+        refs_forced = runner.candidate_references(case, list(case.references))
+        if not force and runner.cached_candidate(case, refs_forced, goldens, root=root, mode=mode) is not None:
             echo(f"case {k} of {n}: {case.id} in the ledger: not sent")
             comparisons[case.id] = None  # judged below from the stored files
             continue
@@ -292,7 +244,7 @@ def run(suite, p, *, root: Path, address: str = LOCAL, echo: Echo = print, force
             comparisons[case.id] = mx.error_comparison(case, message)
             continue
         goldens = {r: runner.load_golden(root, suite.name, r) for r in case.references}
-        store_candidate(case, cand, forced, goldens, root=root)
+        runner.store_candidate(case, cand, forced, goldens, root=root)
         for r, sc in scored.items():
             runner.score_candidate(suite.cases[r], cand, root=root, echo=lambda _: None,
                                    pool=_ReturnedPool(_Returned(scored=sc)))

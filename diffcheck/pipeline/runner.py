@@ -232,31 +232,59 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     from diffcheck.pipeline import replay as replaymod
 
     mode, why = replaymod.mode_for(case, replay)
+    references = candidate_references(case, references)
+    if not force:
+        hit = cached_candidate(case, references, goldens, root=root, mode=mode)
+        if hit is not None:
+            return hit
+    echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
+    cand, forced = generate_candidate(case, references, goldens, mode=mode, why=why, verbose=verbose, echo=echo)
+    store_candidate(case, cand, forced, goldens, root=root)
+    return cand, forced, []
+
+
+def candidate_references(case, references: list[str]) -> list[str]:
+    """The references a candidate is forced along: none where its engine cannot force."""
     from diffcheck.engines import registry
 
-    if "forced_replay" in registry.missing(case):
-        references = []  # generate only; compare states what the verdict could not use
-    reusable = registry.engine_class(case.engine.kind or "vllm").code_identity(dataclasses.asdict(case.engine))
-    led = _ledger(root)
-    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
-    forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
+    return [] if "forced_replay" in registry.missing(case) else list(references)
+
+
+def cached_candidate(case, references: list[str], goldens: dict[str, Run], *, root: Path,
+                     mode: str) -> tuple[Run, dict[str, Run], list[str]] | None:
+    """The ledger's identical run of `case` (same key) when its files are intact and its forced runs
+    serve replay `mode`: (candidate, forced, the line that says so), else None."""
+    from diffcheck.engines import registry
+    from diffcheck.pipeline import replay as replaymod
     from diffcheck.storage import ledger
 
-    key = ledger.key_for(case, goldens=goldens)
-    if not force and reusable is not None:  # a base_url server's code is not known: never reused
-        hit = led.lookup(key)
-        if hit is not None and run_file.exists() and all(p.exists() for p in forced_files.values()):
-            try:
-                cand = store.read_run(run_file)
-                if store.content_digest(cand) == hit.content_digest:
-                    forced = {r: store.read_run(p) for r, p in forced_files.items()}
-                    if all(replaymod.serves(f, mode) for f in forced.values()):
-                        modes = sorted({replaymod.forced_meta_mode(f) for f in forced.values()})
-                        return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model; "
-                                              f"{'/'.join(modes)} replay; --force reruns)"]
-            except DataError:
-                pass
-    echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
+    if registry.engine_class(case.engine.kind or "vllm").code_identity(dataclasses.asdict(case.engine)) is None:
+        return None  # a base_url server's code is not known: never reused
+    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
+    forced_files = {r: store.run_path(root, case.suite, case.id, kind="forced", reference=r) for r in references}
+    hit = _ledger(root).lookup(ledger.key_for(case, goldens=goldens))
+    if hit is None or not run_file.exists() or not all(p.exists() for p in forced_files.values()):
+        return None
+    try:
+        cand = store.read_run(run_file)
+        if store.content_digest(cand) != hit.content_digest:
+            return None
+        forced = {r: store.read_run(p) for r, p in forced_files.items()}
+    except DataError:
+        return None
+    if not all(replaymod.serves(f, mode) for f in forced.values()):
+        return None
+    modes = sorted({replaymod.forced_meta_mode(f) for f in forced.values()})
+    return cand, forced, [f"{case.id}: reused run from {hit.created} (same config, engine, model; "
+                          f"{'/'.join(modes)} replay; --force reruns)"]
+
+
+def generate_candidate(case, references: list[str], goldens: dict[str, Run], *, mode: str, why: str = "",
+                       verbose: bool = False, echo: Echo = print) -> tuple[Run, dict[str, Run]]:
+    """The engine half of `run_candidate`: one engine start, generate, force along each golden.
+    Writes nothing (a Ray task runs it on a worker; the driver stores what it returns)."""
+    from diffcheck.pipeline import replay as replaymod
+
     with open_engine(case, verbose=verbose) as engine:
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
         cand = _with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
@@ -274,11 +302,18 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
             run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
             forced[ref_id] = _with_config(run, case)
         progress.activity(f"{case.id}: shutting the engine down")
+    return cand, forced
+
+
+def store_candidate(case, cand: Run, forced: dict[str, Run], goldens: dict[str, Run], *, root: Path) -> None:
+    """Write a candidate run and its forced runs beside the goldens and record it in the ledger."""
+    from diffcheck.storage import ledger
+
+    run_file = store.run_path(root, case.suite, case.id, kind="generate", role="candidate")
     store.write_run(run_file, cand)
     for ref_id, run in forced.items():
-        store.write_run(forced_files[ref_id], run)
-    led.add(cand, path=run_file, case=case, key=key)
-    return cand, forced, []
+        store.write_run(store.run_path(root, case.suite, case.id, kind="forced", reference=ref_id), run)
+    _ledger(root).add(cand, path=run_file, case=case, key=ledger.key_for(case, goldens=goldens))
 
 
 class EnginePool:
