@@ -10,7 +10,10 @@ from typing import Any
 
 from diffcheck.errors import ConfigError
 from diffcheck.types import ROLES, Verdict
-from diffcheck.cases.schema import *  # noqa: F403
+from diffcheck.cases.schema import (
+    CASE_KEYS, CONFIG_KEYS, ENGINE_SPEC, EXPECTABLE, RESET, SAMPLING_SPEC, Case, EngineConfig,
+    Expect, Sampling, Suite, display_path,
+)
 from diffcheck.cases.prompts import _prompts_digest, _read_prompts
 from diffcheck.cases.schema import (_is_file, _read_toml, _ID, _VAR, _Errors, _Spec, _check_layer, _check_value, _plain, _q, _valid)  # noqa: F401
 
