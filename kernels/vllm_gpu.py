@@ -1,5 +1,7 @@
 """vLLM's own decode attention on the GPU, driven the way vLLM drives it, under real CUDA graphs.
 
+Longer than 400 lines because it drives two real vLLM backends through their own metadata builders, CUDA-graph capture and the broken-builder variants.
+
 Two kernels as shipped in vLLM 0.26 (written against that release's source; the
 names below are its):
 

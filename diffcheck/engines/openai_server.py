@@ -1,5 +1,7 @@
 """``kind = "openai"``: an OpenAI-compatible vLLM server, started by diffcheck or already running.
 
+Longer than 400 lines because the HTTP client, the server's start and supervision, and every one-line error of a served engine.
+
 Two modes:
 
 - **started** (no ``engine.base_url``): diffcheck runs ``vllm serve`` itself on

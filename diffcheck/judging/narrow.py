@@ -1,5 +1,7 @@
 """Narrowing: which factors do the bad cases share that no clean case has?
 
+Longer than 400 lines because the exact search for minimal conjunctions, the greedy cover and the next-case proposals share one factor model.
+
 The seed investigation narrowed its cause by hand, reasoning over which config
 factors the bad runs shared. This module does that reasoning on verdicts.
 

@@ -1,5 +1,7 @@
 """``diffcheck matrix``: a suite's whole experiment matrix, resumable, with the seed's table and a narrowing.
 
+Longer than 400 lines because the matrix's order (goldens, candidates), its interruption handling and the seed's table belong together.
+
 1. **Goldens first**: every reference the chosen cases need, recorded unless up to
    date (`runner.record_golden`).
 2. **Every candidate** against its references (`runner.compare`), with ``tests`` =

@@ -1,5 +1,7 @@
 """Orchestration: cases -> engines -> stored runs -> verdicts.
 
+Longer than 400 lines because the golden life cycle and the candidate's run (ledger reuse, engine, storage) share their helpers; splitting them is the next clean-up.
+
 This is the only module that joins the engine side to the pure side. It knows
 the golden life cycle (record, skip when up to date, refuse to overwrite
 without ``update``), which engines a comparison needs (the candidate for

@@ -1,5 +1,7 @@
 """The bytes of one golden file: Parquet layout, logprob codes, content digests.
 
+Longer than 400 lines because the golden format's precision contract is documented in full beside the encoder and decoder that implement it.
+
 Knows how a `Run` becomes Parquet bytes and back, at which precision, and what a
 content digest covers; knows nothing about folders, manifests or locks (store.py).
 

@@ -1,5 +1,7 @@
 """Offline bundle: everything an air-gapped GPU machine needs to run diffcheck on a pinned vLLM.
 
+Longer than 400 lines because the offline bundle's wheel closure, pieces and manifest form one build.
+
 Built where a package registry is reachable (``make gpu-bundle``, i.e. ``python -m tools.gpu_bundle.build --out DIR``), used
 where none is (``bash DIR/install.sh TARGET``). The target is described by a *base
 package list* (what its Python already has; the default is the H200 image:
