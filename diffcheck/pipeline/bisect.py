@@ -1,6 +1,6 @@
 """``diffcheck bisect``: find the commit that broke a case, through ``git bisect run``.
 
-Longer than 400 lines because git bisect's driver, its signal handling (a Ctrl-C must always restore the repository) and the per-commit step.
+Longer than 400 lines because it holds git bisect's driver, its signal handling (a Ctrl-C must always restore the repository) and the per-commit step.
 
 The engine's repository (a vLLM source tree, a plugin or a package used through
 PYTHONPATH) is bisected between a good and a bad revision. At each commit the

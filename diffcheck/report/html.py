@@ -1,6 +1,6 @@
 """The HTML report: one self-contained file with a plot and a text diff per sequence.
 
-Longer than 400 lines because one self-contained page: template, styles and SVG plots together, so the report needs no other file.
+Longer than 400 lines because it is one self-contained page: template, styles and SVG plots together, so the report needs no other file.
 
 Knows how to lay out verdicts, their per-step series and both sides' token
 strings as HTML + inline SVG; judges nothing. No scripts, fonts or stylesheets
