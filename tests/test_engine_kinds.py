@@ -342,7 +342,12 @@ def test_no_server_outlives_diffcheck_interrupted_or_killed(ctx, how):
     watch = Descendants(proc.pid)
     try:
         # the engine core is a grandchild of the server: wait until the whole tree exists
-        _wait_for(lambda: watch.servers() and len(watch.seen) >= 3, 180, "the server's engine process")
+        try:
+            _wait_for(lambda: watch.servers() and len(watch.seen) >= 3, 300, "the server's engine process")
+        except AssertionError as exc:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"{exc}; seen {watch.seen}; diffcheck said: {(out + err)[-3000:]}") from None
         proc.send_signal(how)
         proc.communicate(timeout=120)
     finally:
