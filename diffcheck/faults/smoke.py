@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from diffcheck.faults.spec import ENV_FAULT, ENV_MARKER, ENV_OPTIONS, ENV_STEP, parse_env
+from diffcheck.faults.spec import ENV_FAULT, ENV_MARKER, ENV_OPTIONS, ENV_SCALE, ENV_STEP, parse_env
 
 CLEAN = "clean"
 SMOKE_PROMPTS = (
@@ -38,6 +38,7 @@ SMOKE_PROMPTS = (
 )
 # Engine settings known to work on the 2-core CPU lane (docs/model.md); the 1 GiB KV
 # cache (VLLM_CPU_KVCACHE_SPACE) instead of vLLM's memory fraction: the machine is shared.
+SMOKE_SCALE = "1.0"  # noise as strong as the attention output itself
 ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "seed": 0, "kv_cache_memory_gib": 1}
 
 
@@ -64,6 +65,11 @@ def _fault_env(config: str, *, step: int, marker: str) -> dict[str, str]:
     spec = parse_env(env)
     if spec is not None and spec.info.takes_step:
         env[ENV_STEP] = str(step)
+    if spec is not None and ENV_SCALE in spec.info.options and not spec.fixed:
+        # The default strength sits near the edge of what changes a greedy token (the
+        # self-test measures that edge); the smoke run checks that the fault acts, so it
+        # uses a strength that changes the output for certain.
+        env[ENV_SCALE] = SMOKE_SCALE
     return env
 
 
