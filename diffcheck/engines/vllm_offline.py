@@ -59,6 +59,25 @@ class TimedGeneration:
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
+def _capture_settings(sampling_params_cls, *, stop) -> dict[str, Any]:
+    """SamplingParams fields that make vLLM's host-side logprob handling cheap (docs/gpu.md).
+
+    - ``flat_logprobs``: logprobs in flat lists instead of a dict of ``Logprob`` objects
+      per step (where this vLLM has the field);
+    - ``detokenize=False`` unless the case has stop strings (which need vLLM's text):
+      otherwise vLLM decodes every top-k candidate of every step into a string that
+      diffcheck never reads; the output text is decoded once per sequence instead
+      (`VllmOffline._text`, the same text).
+    """
+    fields = set(getattr(sampling_params_cls, "__struct_fields__", ()))
+    settings: dict[str, Any] = {}
+    if "flat_logprobs" in fields:
+        settings["flat_logprobs"] = True
+    if not stop:
+        settings["detokenize"] = False
+    return settings
+
+
 def trace_replay_available() -> bool:
     """Whether this vLLM has Model Runner V2's trace replay: the engine argument
     ``enable_trace_replay`` and the request field ``SamplingParams.trace_decode_token_ids``.
@@ -243,7 +262,15 @@ class VllmOffline(Engine):
         if kw["top_k"] is None:
             kw["top_k"] = -1 if "top_k" in s else None
         kw.update(override)
+        if kw.get("logprobs") is not None or kw.get("prompt_logprobs") is not None:
+            kw.update(_capture_settings(SamplingParams, stop=kw.get("stop")))
         return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+
+    def _text(self, params, completion) -> str:
+        """The completion's text: vLLM's, or decoded here where vLLM was told not to detokenize."""
+        if params.detokenize:
+            return completion.text
+        return self.tokenizer.decode(list(completion.token_ids), skip_special_tokens=params.skip_special_tokens)
 
     def _run_llm(self, inputs, params, what: str, *, progress=None, work: Sequence[int] = (), decode: bool = True):
         """``LLM.generate`` in the engine log; with `progress`, ``progress(done, total)`` after every engine
@@ -308,7 +335,7 @@ class VllmOffline(Engine):
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
             steps.append(steps_from_logprobs(tokens, comp.logprobs, params.logprobs))
-            seqs.append(SequenceInfo(prompt_id=prompt.id, prompt_token_ids=tuple(ids), text=comp.text,
+            seqs.append(SequenceInfo(prompt_id=prompt.id, prompt_token_ids=tuple(ids), text=self._text(params, comp),
                                      finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
         n = sum(s.n_tokens for s in seqs)
         self.timings.update(generate_s=elapsed, generate_tokens=n, tokens_per_s=n / elapsed if elapsed else 0.0)
@@ -364,6 +391,7 @@ class VllmOffline(Engine):
                                 work=[p.max_tokens for p in params]) if inputs else []
         elapsed = time.perf_counter() - t0
         by_index = dict(zip(kept, outputs))
+        params_of = dict(zip(kept, params))
         seqs, steps = [], []
         for i, seq in enumerate(reference.sequences):
             out = by_index.get(i)
@@ -380,8 +408,9 @@ class VllmOffline(Engine):
                     f"({len(tokens)} of {len(expected)} tokens; mechanism {self.mechanism})"
                 )
             steps.append(steps_from_logprobs(tokens, comp.logprobs, k))
-            seqs.append(SequenceInfo(prompt_id=seq.prompt_id, prompt_token_ids=seq.prompt_token_ids, text=comp.text,
-                                     finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
+            seqs.append(SequenceInfo(prompt_id=seq.prompt_id, prompt_token_ids=seq.prompt_token_ids,
+                                     text=self._text(params_of[i], comp), finish_reason=str(comp.finish_reason),
+                                     n_tokens=len(tokens)))
         self.timings.update(force_s=elapsed, force_tokens=sum(s.n_tokens for s in seqs))
         source = {"reference": reference.meta.case_id, "mechanism": self.mechanism}
         if any(s not in (0, None) for s in from_steps):

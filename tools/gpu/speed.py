@@ -9,9 +9,11 @@ without torch.compile, O: FULL decode graph with torch.compile), one engine at a
   also the candidate run the partial replay below plans against;
 - then ``--repeats`` rounds, each running every measurement once, so that drift in
   the machine hits all of them alike (side by side):
-  - generation of the suite's prompts with top-20 logprob capture: tokens/s;
-  - the same generation without logprobs; their difference is the **capture
-    overhead** row (seconds per 1024 tokens, and its share of the time);
+  - generation of the suite's prompts as diffcheck records it (``engine.generate()``:
+    top-20 logprob capture, conversion into a run, the text), timed whole: tokens/s;
+  - the same prompts through ``LLM.generate`` as vLLM runs them by default (no
+    logprobs, vLLM's own detokenizer); their difference is the **capture overhead**
+    row (seconds per 1024 tokens, and its share of the time);
   - forced decode replay along golden J, **full** (every sequence from step 0);
   - forced decode replay along golden J, **partial** (`diffcheck.pipeline.replay`:
     nothing for a sequence whose tokens equal J's, the rest from t*, prompt + shared
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from pathlib import Path
 
 GRAPH_CAPTURE = re.compile(r"Graph capturing finished in ([0-9.]+) secs")
@@ -64,10 +67,13 @@ def measure(case, golden, *, repeats: int) -> dict:
         times: dict[str, list[float]] = {k: [] for k in ("logprobs20", "no_logprobs", "forced", "forced_partial")}
         tokens: dict[str, int] = {}
         for _ in range(repeats):
-            for label, logprobs in (("logprobs20", True), ("no_logprobs", False)):
-                timed = engine.time_generate(logprobs=logprobs)
-                times[label].append(timed.seconds)
-                tokens[label] = timed.n_tokens
+            t0 = time.perf_counter()
+            recorded = engine.generate()
+            times["logprobs20"].append(time.perf_counter() - t0)
+            tokens["logprobs20"] = recorded.n_tokens
+            plain = engine.time_generate(logprobs=False)
+            times["no_logprobs"].append(plain.seconds)
+            tokens["no_logprobs"] = plain.n_tokens
             engine.force(golden, starts=full.starts)
             times["forced"].append(engine.timings["force_s"])
             if partial.replayed:
