@@ -2,7 +2,13 @@
 
 With ``progress=`` the engine drives vLLM's step loop itself (``LLM.enqueue`` and
 ``llm_engine.step``, what ``LLM.generate`` does inside) to count tokens as they come;
-the runs must be identical, bit for bit, to runs through ``LLM.generate``.
+the runs must match runs through ``LLM.generate``: the same tokens and texts, and
+logprobs equal up to fp32 rounding.
+
+Not bit for bit: vLLM's engine core runs in its own process and schedules the first
+request as soon as it arrives, so whether the first prefill holds one prompt or all of
+them is a race with the front end (both paths alike). Another prefill shape rounds
+differently in fp32: seen once in CI, one logprob of 48 off by 4e-6.
 """
 
 from __future__ import annotations
@@ -16,8 +22,12 @@ pytestmark = pytest.mark.engine
 def same_run(a, b) -> None:
     assert [s.n_tokens for s in a.sequences] == [s.n_tokens for s in b.sequences]
     assert [s.text for s in a.sequences] == [s.text for s in b.sequences]
-    for name in ("token_id", "logprob", "topk_ids", "topk_logprobs"):
-        np.testing.assert_array_equal(getattr(a.steps, name), getattr(b.steps, name), err_msg=name)
+    np.testing.assert_array_equal(a.steps.token_id, b.steps.token_id)
+    for name in ("logprob", "topk_logprobs"):  # fp32 rounding of another first-prefill shape, no more
+        np.testing.assert_allclose(getattr(a.steps, name), getattr(b.steps, name), rtol=1e-4, atol=1e-4, err_msg=name)
+    # the stored top-k may swap two candidates whose logprobs tie within that rounding
+    same_set = [set(x) == set(y) for x, y in zip(a.steps.topk_ids.tolist(), b.steps.topk_ids.tolist())]
+    assert all(same_set), f"top-k sets differ at steps {[i for i, s in enumerate(same_set) if not s]}"
 
 
 def recorder():
