@@ -174,7 +174,7 @@ def test_clock_ignores_graph_capture_builds():
 
 
 def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatch):
-    marker = tmp_path / "m.jsonl"
+    marker = tmp_path / "logs" / "m.jsonl"  # a folder the marker makes
     spec = parse_env({"DIFFCHECK_FAULT": "rope-offset", "DIFFCHECK_FAULT_STEP": "2", "DIFFCHECK_FAULT_MARKER": str(marker)})
     monkeypatch.setattr(runtime, "STATE", runtime._State(spec=spec))
     clock = runtime.STATE.clock
@@ -185,6 +185,7 @@ def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatc
     assert flags == [False, False, False, True, True]
     events = [json.loads(line) for line in marker.read_text().splitlines()]
     assert [(e["event"], e["step"], e["pid"]) for e in events] == [("acting", 2, os.getpid())]
+    assert (events[0]["tp_rank"], events[0]["tp_size"]) == (None, None)  # no vLLM group in this process
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck.faults import names_for_lane
+from diffcheck.faults import marker, names_for_lane
 from diffcheck.faults.smoke import CLEAN
 
 pytestmark = pytest.mark.engine
@@ -83,6 +83,7 @@ def test_fault_patches_and_acts_inside_engine_processes(smoke, config):
     assert len(acting) == 1, result["marker_events"]
     assert acting[0]["pid"] not in outsiders and acting[0]["pid"] in patched
     assert acting[0]["step"] == STEP
+    assert marker.acting_ranks(result["marker_events"], 1, outsiders=outsiders) == []
 
 
 @pytest.mark.parametrize("config", FAULT_NAMES)

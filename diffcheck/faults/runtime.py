@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -69,13 +70,37 @@ def layer_index(layer_name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def tensor_parallel_rank() -> tuple[int | None, int | None]:
+    """(rank, size) of this process in vLLM's tensor-parallel group, or (None, None) before it exists.
+
+    Looks only at an already imported vLLM: writing a marker line never imports it.
+    """
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    if parallel_state is None:
+        return None, None
+    try:
+        if not parallel_state.model_parallel_is_initialized():
+            return None, None
+        return (int(parallel_state.get_tensor_model_parallel_rank()),
+                int(parallel_state.get_tensor_model_parallel_world_size()))
+    except Exception:  # another vLLM layout: the marker says so (None) instead of failing the engine
+        return None, None
+
+
 def write_marker(event: str, **fields) -> None:
-    """Append one JSON line to DIFFCHECK_FAULT_MARKER (a test's proof of which process did what)."""
+    """Append one JSON line to DIFFCHECK_FAULT_MARKER (a test's proof of which process did what).
+
+    Each line names its process (pid) and, once vLLM's tensor-parallel group exists, the
+    process's rank in it and the group's size (`diffcheck.faults.marker` checks them).
+    """
     spec = STATE.spec
     if spec is None or spec.marker is None:
         return
-    record = {"event": event, "fault": spec.label, "pid": os.getpid(), "time": time.time(), **fields}
+    tp_rank, tp_size = tensor_parallel_rank()
+    record = {"event": event, "fault": spec.label, "pid": os.getpid(), "tp_rank": tp_rank, "tp_size": tp_size,
+              "time": time.time(), **fields}
     # O_APPEND keeps lines from several processes whole (one short write each).
+    os.makedirs(os.path.dirname(os.path.abspath(spec.marker)), exist_ok=True)
     fd = os.open(spec.marker, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (json.dumps(record) + "\n").encode())

@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from diffcheck.faults import marker as marker_file
 from diffcheck.faults.spec import ENV_FAULT, ENV_MARKER, ENV_OPTIONS, ENV_SCALE, ENV_STEP, parse_env
 
 CLEAN = "clean"
@@ -132,7 +133,7 @@ def run_config(case, config: str, *, step: int, marker: Path, score: dict[str, o
         t2 = time.monotonic()
         scores = {name: _nll_after_step(engine.score(other), step=step) for name, other in (score or {}).items()}
         own_nll = _nll_after_step(engine.score(run), step=step) if score else []
-    events = [json.loads(line) for line in marker.read_text().splitlines()] if marker.exists() else []
+    events = marker_file.read_events(marker)
     result = SmokeResult(
         config=config,
         token_ids=[run.sequence(i).token_id.tolist() for i in range(len(run.sequences))],

@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu/device-run.sh collect            copy carried bundle files into $HOME/bundle
 #   bash tools/gpu/device-run.sh install            + install.sh (verify, install, model prepare)
-#   bash tools/gpu/device-run.sh goldens CASE...    diffcheck golden record --suite gpu-h200 CASE...
+#   bash tools/gpu/device-run.sh goldens CASE...    diffcheck golden record --suite $SUITE CASE...
 #   bash tools/gpu/device-run.sh calibrate [IDS]    diffcheck calibrate IDS (default J): floor replicas on the GPU
 #   bash tools/gpu/device-run.sh compare [--replay full|partial] CASE...
 #                                                   diffcheck compare CASE --json --html, each
@@ -12,10 +12,12 @@
 #                                                   attention, stored in goldens/kernels/vllm-0.26/
 #   bash tools/gpu/device-run.sh speed [ARGS]       tools/gpu/speed.py (the speed table; full vs partial replay)
 #
+# SUITE is gpu-h200, or DIFFCHECK_GPU_SUITE (gpu-h200-tp on the 4-GPU machine).
+#
 # Several stages may be given in one call, separated by '--'. State lives in $HOME
 # (the bundle, the install, the model, the goldens written so far), which survives
 # while the machine stays warm between calls. Every call ends by packing what the
-# suite wrote (goldens/gpu-h200, reports, logs, engine logs) into $OUT/gpu-results.tar.gz,
+# suite wrote (goldens/$SUITE, reports, logs, engine logs) into $OUT/gpu-results.tar.gz,
 # and the goldens are restored from $HOME at the start of the next call.
 set -uo pipefail
 REPO=$(pwd)
@@ -23,8 +25,11 @@ BUNDLE=$HOME/bundle
 DEST=$HOME/dcgpu
 STATE=$HOME/gpu-state            # goldens/ and logs carried between calls on the warm machine
 OUT=${OUT:-/tmp/out}
+SUITE=${DIFFCHECK_GPU_SUITE:-gpu-h200}
 mkdir -p "$OUT" "$BUNDLE" "$STATE/logs"
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off, in every process started from here (the cases set them too).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 
 # The checkout first on the path: its diffcheck (and its fault modules) win over the
 # bundled wheel's copy; the wheel's dist-info still provides the vLLM plugin entry point.
@@ -42,8 +47,8 @@ restore_goldens() {
 }
 
 save_goldens() {  # this suite's data, kernel results and the ledger; never the scripts (restore would overwrite the running one)
-  mkdir -p "$STATE/goldens/gpu-h200" "$STATE/goldens/kernels"
-  (cd "$REPO/goldens/gpu-h200" && cp -a ./*.parquet MANIFEST.json speed.json reports "$STATE/goldens/gpu-h200/" 2>/dev/null) || true
+  mkdir -p "$STATE/goldens/$SUITE" "$STATE/goldens/kernels"
+  (cd "$REPO/goldens/$SUITE" && cp -a ./*.parquet MANIFEST.json speed*.json reports logs "$STATE/goldens/$SUITE/" 2>/dev/null) || true
   cp -a "$REPO/goldens/kernels/." "$STATE/goldens/kernels/" 2>/dev/null || true
   cp -a "$REPO"/goldens/ledger* "$STATE/goldens/" 2>/dev/null || true
 }
@@ -75,23 +80,23 @@ stage() {
       ;;
     goldens)
       use_env
-      timed "golden-record" $DC golden record --suite gpu-h200 "$@"
+      timed "golden-record" $DC golden record --suite "$SUITE" "$@"
       ;;
     calibrate)  # the floor: replicas of each reference (fresh engine, batch shapes 3 and 5) forced along its golden
       use_env
       local ids=("$@"); [ ${#ids[@]} -gt 0 ] || ids=(J)
       for c in "${ids[@]}"; do
-        timed "calibrate-$c" $DC calibrate "$c" --suite gpu-h200
+        timed "calibrate-$c" $DC calibrate "$c" --suite "$SUITE"
       done
       ;;
     compare)
       use_env
-      mkdir -p goldens/gpu-h200/reports
+      mkdir -p "goldens/$SUITE/reports" "goldens/$SUITE/logs"
       local flags=()
       while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do flags+=("$1" "$2"); shift 2; done   # e.g. --replay full
       for c in "$@"; do
-        timed "compare-$c" $DC compare "$c" --suite gpu-h200 "${flags[@]+"${flags[@]}"}" \
-          --json "goldens/gpu-h200/reports/$c.json" --html "goldens/gpu-h200/reports/$c.html"
+        timed "compare-$c" $DC compare "$c" --suite "$SUITE" "${flags[@]+"${flags[@]}"}" \
+          --json "goldens/$SUITE/reports/$c.json" --html "goldens/$SUITE/reports/$c.html"
       done
       ;;
     kernels)  # vLLM's Triton unified attention and FA3 under CUDA graphs, with the seq-lens-copy fault; ARGS e.g. --suite quick
@@ -109,7 +114,7 @@ stage() {
       ;;
     speed)
       use_env
-      timed speed python3 tools/gpu/speed.py --out goldens/gpu-h200/speed.json "$@"
+      timed speed python3 tools/gpu/speed.py --suite "$SUITE" "$@"
       ;;
     *)
       echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, kernels, speed)" >&2

@@ -1,7 +1,8 @@
 """GPU speed table for docs/gpu.md, measured side by side in one process on one H200.
 
-For each engine configuration of the gpu-h200 suite (J: eager, L: FULL decode graph
-without torch.compile, O: FULL decode graph with torch.compile), one engine at a time:
+For each engine configuration of a GPU suite (gpu-h200's J: eager, L: FULL decode graph
+without torch.compile, O: FULL decode graph with torch.compile; gpu-h200-tp's J1, O1, J3,
+O3 at TP1 and TP3), one engine at a time:
 
 - start-up seconds (model load, compile, graph capture), and the graph-capture seconds
   vLLM logs ("Graph capturing finished in N secs"), where it logs them;
@@ -14,16 +15,16 @@ without torch.compile, O: FULL decode graph with torch.compile), one engine at a
   - the same prompts through ``LLM.generate`` as vLLM runs them by default (no
     logprobs, vLLM's own detokenizer); their difference is the **capture overhead**
     row (seconds per 1024 tokens, and its share of the time);
-  - forced decode replay along golden J, **full** (every sequence from step 0);
-  - forced decode replay along golden J, **partial** (`diffcheck.pipeline.replay`:
+  - forced decode replay along the reference golden (J), **full** (every sequence from step 0);
+  - forced decode replay along it, **partial** (`diffcheck.pipeline.replay`:
     nothing for a sequence whose tokens equal J's, the rest from t*, prompt + shared
     prefix prefilled; with prefix caching on, mostly a cache hit): the steps the
     engine produced, their tokens/s, and the forced path's tokens/s.
 
 Best of the rounds is used. tokens/s counts generated tokens over the wall time of
 ``LLM.generate`` for the whole batch (4 prompts, <= 256 tokens each), prefill included;
-with ~150-token prompts the prefill is a small part. Needs golden J (``diffcheck golden
-record J --suite gpu-h200``). Writes a JSON file (the keys ``logprobs20``, ``no_logprobs``
+with ~150-token prompts the prefill is a small part. Needs the reference's golden
+(``diffcheck golden record J --suite gpu-h200``; ``--reference`` picks another). Writes a JSON file (the keys ``logprobs20``, ``no_logprobs``
 and ``forced`` keep their meaning: ``forced`` is the full replay) and prints Markdown
 tables. Not a test: nothing is asserted.
 """
@@ -108,11 +109,15 @@ def main() -> int:
     parser.add_argument("--suite", default="gpu-h200")
     parser.add_argument("--cases", default="J,L,O", help="comma-separated case ids, measured in this order")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds of every measurement (best is used)")
-    parser.add_argument("--out", type=Path, default=Path("goldens/gpu-h200/speed.json"))
+    parser.add_argument("--reference", default=None,
+                        help="the golden that forced replay follows (default: the suite's first reference, J)")
+    parser.add_argument("--out", type=Path, default=None, help="default: goldens/SUITE/speed.json")
     args = parser.parse_args()
 
     suite = cases.load_suite(args.suite)
-    golden = runner.load_golden(runner.goldens_root(), suite.name, "J")
+    reference = args.reference or next(cid for cid, c in suite.cases.items() if c.role == "reference")
+    args.out = args.out or Path("goldens") / suite.name / "speed.json"
+    golden = runner.load_golden(runner.goldens_root(), suite.name, reference)
     rows = []
     for cid in args.cases.split(","):
         rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats))
