@@ -23,6 +23,7 @@ A failed start or a crash raises `EngineError` (exit 3) with one root-cause line
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from abc import ABC, abstractmethod
@@ -52,6 +53,19 @@ class Engine(ABC):
         from diffcheck.storage.identity import vllm_source_state
 
         return vllm_source_state()
+
+    def _take_case(self, case, model, prompts, verbose: bool, kind: str) -> None:
+        """What every engine keeps of its case; a fault env or an engine.kind it cannot run is
+        refused in one line, before anything starts."""
+        from diffcheck import faults
+        from diffcheck.errors import ConfigError
+
+        self.case, self.model, self.prompts, self.verbose = case, model, list(prompts), verbose
+        self.env = {str(k): str(v) for k, v in (case.env or {}).items()}
+        faults.validate_env(self.env)
+        self.requested = dataclasses.asdict(case.engine)
+        if (self.requested.get("kind") or "vllm") != kind:
+            raise ConfigError(f"case '{case.id}': engine.kind {self.requested.get('kind')!r} is not {kind!r}")
 
     @abstractmethod
     def generate(self, *, progress=None) -> Run: ...

@@ -91,17 +91,7 @@ class HFEngine(Engine):
         return {"version": _versions(), "commit": None, "dirty": False}
 
     def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None):
-        from diffcheck import faults
-
-        self.case = case
-        self.model = model
-        self.prompts = list(prompts)
-        self.verbose = verbose
-        self.env = {str(k): str(v) for k, v in (case.env or {}).items()}
-        faults.validate_env(self.env)
-        self.requested = dataclasses.asdict(case.engine)
-        if self.requested.get("kind") != "hf":
-            raise ConfigError(f"case '{case.id}': engine.kind {self.requested.get('kind')!r} is not 'hf'")
+        self._take_case(case, model, prompts, verbose, "hf")
         dtype = self.requested.get("dtype")
         if dtype not in _DTYPES:
             raise ConfigError(f"case '{case.id}': engine.dtype {dtype!r} is not one hf can run "

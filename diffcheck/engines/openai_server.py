@@ -228,17 +228,7 @@ class OpenAIServer(Engine):
 
     def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None,
                  start_timeout_s: float | None = None, request_timeout_s: float | None = None):
-        from diffcheck import faults
-
-        self.case = case
-        self.model = model
-        self.prompts = list(prompts)
-        self.verbose = verbose
-        self.env = {str(k): str(v) for k, v in (case.env or {}).items()}
-        faults.validate_env(self.env)
-        self.requested = dataclasses.asdict(case.engine)
-        if self.requested.get("kind") != "openai":
-            raise ConfigError(f"case '{case.id}': engine.kind {self.requested.get('kind')!r} is not 'openai'")
+        self._take_case(case, model, prompts, verbose, "openai")
         self.start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else float(start_timeout_s)
         self.request_timeout_s = REQUEST_TIMEOUT_S if request_timeout_s is None else float(request_timeout_s)
         self.base_url = self.requested.get("base_url")

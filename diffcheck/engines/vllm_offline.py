@@ -124,18 +124,7 @@ class VllmOffline(Engine):
 
     def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None,
                  on_phase=None):
-        from diffcheck import faults
-
-        self.case = case
-        self.model = model
-        self.prompts = list(prompts)
-        self.verbose = verbose
-        self.env = {str(k): str(v) for k, v in (case.env or {}).items()}
-        faults.validate_env(self.env)  # unknown fault: one line, before anything starts
-        engine_cfg = dataclasses.asdict(case.engine)
-        if engine_cfg.get("kind", "vllm") != "vllm":
-            raise ConfigError(f"case '{case.id}': engine.kind '{engine_cfg['kind']}' is not supported (valid: vllm)")
-        self.requested = engine_cfg
+        self._take_case(case, model, prompts, verbose, "vllm")
         log_dir = Path(log_dir or tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = None if verbose else log_dir / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log"
