@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import tempfile
+
 import pytest
+from hypothesis import configuration, settings
 
 from factories import write_suite
+
+# Hypothesis keeps an example database and a constants cache in ./.hypothesis: the tests
+# write nothing into the checkout, so no database and a home in the temp folder.
+configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="diffcheck-hypothesis-"))
+settings.register_profile("diffcheck", database=None)
+settings.load_profile("diffcheck")
 
 ROOT = Path(__file__).resolve().parent.parent
 
