@@ -11,6 +11,8 @@
 #   bash tools/gpu/device-run.sh kernels [ARGS]     diffcheck kernels --device cuda for vLLM's own decode
 #                                                   attention, stored in goldens/kernels/vllm-0.26/
 #   bash tools/gpu/device-run.sh speed [ARGS]       tools/gpu/speed.py (the speed table; full vs partial replay)
+#   bash tools/gpu/device-run.sh profile [ARGS]     tools/gpu/profile_capture.py (vLLM's torch profiler, with and
+#                                                   without logprobs; goldens/$SUITE/profile-capture/)
 #
 # SUITE is gpu-h200, or DIFFCHECK_GPU_SUITE (gpu-h200-tp on the 4-GPU machine).
 #
@@ -48,7 +50,7 @@ restore_goldens() {
 
 save_goldens() {  # this suite's data, kernel results and the ledger; never the scripts (restore would overwrite the running one)
   mkdir -p "$STATE/goldens/$SUITE" "$STATE/goldens/kernels"
-  (cd "$REPO/goldens/$SUITE" && cp -a ./*.parquet MANIFEST.json speed*.json reports logs "$STATE/goldens/$SUITE/" 2>/dev/null) || true
+  (cd "$REPO/goldens/$SUITE" && cp -a ./*.parquet MANIFEST.json speed*.json reports logs profile-capture "$STATE/goldens/$SUITE/" 2>/dev/null) || true
   cp -a "$REPO/goldens/kernels/." "$STATE/goldens/kernels/" 2>/dev/null || true
   cp -a "$REPO"/goldens/ledger* "$STATE/goldens/" 2>/dev/null || true
 }
@@ -116,8 +118,12 @@ stage() {
       use_env
       timed speed python3 tools/gpu/speed.py --suite "$SUITE" "$@"
       ;;
+    profile)
+      use_env
+      timed profile python3 tools/gpu/profile_capture.py --suite "$SUITE" "$@"
+      ;;
     *)
-      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, kernels, speed)" >&2
+      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, kernels, speed, profile)" >&2
       return 2
       ;;
   esac
