@@ -47,11 +47,16 @@ PERTURBATIONS = (
 def perturbations_for(suite, reference_id: str, *, exclude_tags=("slow", "gpu")) -> tuple[Perturbation, ...]:
     """The default perturbations, plus one per tensor-parallel size that a candidate of the
     suite judged against this reference runs at: parallelism changes the reduction order,
-    so a TP candidate is judged against a floor that covers its TP size too."""
+    so a TP candidate is judged against a floor that covers its TP size too.
+
+    Candidates tagged with an `exclude_tags` tag the reference does not carry are left out
+    (a slow TP case on the CPU lane; GPU cases of a CPU reference); a GPU reference's GPU
+    candidates count."""
     ref = suite.cases[reference_id]
     own = ref.engine.tensor_parallel_size or 1
+    excluded = set(exclude_tags) - set(ref.tags)
     sizes = sorted({c.engine.tensor_parallel_size or 1 for c in suite.cases.values()
-                    if reference_id in c.references and not set(exclude_tags) & set(c.tags)} - {own})
+                    if reference_id in c.references and not excluded & set(c.tags)} - {own})
     return PERTURBATIONS + tuple(Perturbation(f"tp{n}", f"tensor parallel {n}", {"tensor_parallel_size": n})
                                  for n in sizes)
 
