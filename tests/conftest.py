@@ -6,9 +6,8 @@ Tests that need vLLM or the prepared model FAIL when they cannot get them
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import configuration, settings

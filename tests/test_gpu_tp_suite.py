@@ -87,10 +87,12 @@ def test_the_tp1_reference_floor_gets_a_tp3_replica_and_the_cpu_suite_keeps_its_
     """J1's candidates O3 and OF3 run at TP3, so J1's floor covers TP3; J3's candidates all run at TP3."""
     from diffcheck.pipeline.calibrate import perturbations_for
 
-    names = lambda suite, ref: [p.name for p in perturbations_for(suite, ref)]  # noqa: E731
-    assert names(SUITE, "J1") == ["restart", "batch3", "batch5", "tp3"]
-    assert names(SUITE, "J3") == ["restart", "batch3", "batch5"]
-    assert names(cases.load_suite(ROOT / "cases" / "default.toml"), "J") == ["restart", "batch3", "batch5"]  # T3 is slow
+    default = cases.load_suite(ROOT / "cases" / "default.toml")
+    names = {ref: [p.name for p in perturbations_for(suite, ref)] for suite, ref in
+             ((SUITE, "J1"), (SUITE, "J3"), (default, "J"))}
+    assert names == {"J1": ["restart", "batch3", "batch5", "tp3"],
+                     "J3": ["restart", "batch3", "batch5"],
+                     "J": ["restart", "batch3", "batch5"]}  # default's T3 (TP3) is tagged slow
 
 
 # -- stand-ins -------------------------------------------------------------------------------
