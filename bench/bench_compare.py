@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from diffcheck.judging import classify, stats
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps
 
 K = 20
 VOCAB = 49152

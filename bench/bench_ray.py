@@ -1,7 +1,7 @@
 """What Ray adds per case of `diffcheck matrix --ray`, on this machine (no engine).
 
 Measures, on a local loopback cluster started the way the matrix starts it
-(`diffcheck.pipeline.matrix_ray.connect`): the cluster start, the first task (a
+(`diffcheck.workflows.matrix_ray.connect`): the cluster start, the first task (a
 worker process starts), the round trip of a task once a worker is warm, and the
 transfer of a run the size of a 4 x 1024-token golden with top-20 logprobs (what a
 candidate task receives and returns) through the object store. Run it alone:
@@ -18,7 +18,7 @@ import numpy as np
 
 
 def _run(n_seq: int = 4, n_tokens: int = 1024, k: int = 20):
-    from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+    from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps
 
     n = n_seq * n_tokens
     rng = np.random.default_rng(0)
@@ -42,7 +42,7 @@ def _noop():
 
 
 def main() -> dict:
-    from diffcheck.pipeline import matrix_ray
+    from diffcheck.workflows import matrix_ray
 
     t0 = time.perf_counter()
     ray = matrix_ray.connect("local", num_cpus=2)

@@ -6,7 +6,7 @@ case's own configuration (``runner.open_engine``):
 1. generate the suite's prompts (the tokens must equal the stored candidate run
    ``goldens/default/X.run.parquet``'s, whose forced run along J was a full replay);
 2. teacher-force along golden J, interleaved ``rounds`` times: **full** (every sequence
-   from step 0, as before) and **partial** (`diffcheck.pipeline.replay`: nothing for a
+   from step 0, as before) and **partial** (`diffcheck.engines.replay`: nothing for a
    sequence that kept J's tokens, the rest from t* with the shared prefix prefilled);
    the engine call alone is timed;
 3. judge four ways with `compare_runs` against golden J and J's floor (`load_floor`):
@@ -63,7 +63,8 @@ def _key(verdict) -> list[tuple]:
 def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> dict:
     from diffcheck import cases
     from diffcheck.judging import classify
-    from diffcheck.pipeline import replay, runner
+    from diffcheck.engines import replay
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     case = cases.get_case(suite, cid)
@@ -190,8 +191,8 @@ def _bench_apply_rows(n: int, vocab: int, calls: int, rng) -> dict:
 
 def main(case_ids: tuple[str, ...] = CASES, rounds: int = 2) -> dict:
     from diffcheck import cases
-    from diffcheck.pipeline import runner
-    from diffcheck.pipeline.calibrate import load_floor
+    from diffcheck.workflows import runner
+    from diffcheck.workflows.calibrate import load_floor
 
     root = runner.goldens_root()
     suite = cases.load_suite(SUITE)

@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffcheck.storage import store, codec as store_format  # noqa: E402
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps  # noqa: E402
+from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 

@@ -67,7 +67,7 @@ description = "eager fp32 reference"
 
 def reorder(run, order):
     """`run` with its sequences in `order` (a permutation of their indices)."""
-    from diffcheck.types import Run, Steps
+    from diffcheck.core.types import Run, Steps
 
     views = [run.sequence(i) for i in order]
     cols = {name: np.concatenate([getattr(v, name) for v in views]) for name in
@@ -102,8 +102,8 @@ def judge(golden, run, forced, *, floor, scorer, tests):
 
 def main() -> dict:
     from diffcheck import cases
-    from diffcheck.judging.policy import fails
-    from diffcheck.pipeline import calibrate, runner
+    from diffcheck.core.types import fails
+    from diffcheck.workflows import calibrate, runner
     from diffcheck.storage import store
 
     t0 = time.perf_counter()

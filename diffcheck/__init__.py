@@ -32,9 +32,9 @@ _LAZY = {
     "write_run": "diffcheck.api",
     "Tolerances": "diffcheck.judging.classify",
     "Floor": "diffcheck.judging.floor",
-    "Verdict": "diffcheck.types",
-    "CaseVerdict": "diffcheck.types",
-    "Run": "diffcheck.types",
+    "Verdict": "diffcheck.core.types",
+    "CaseVerdict": "diffcheck.core.types",
+    "Run": "diffcheck.core.types",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from diffcheck.api import compare, compare_case, read_run, record_golden, write_run
     from diffcheck.judging.classify import Tolerances
     from diffcheck.judging.floor import Floor
-    from diffcheck.types import CaseVerdict, Run, Verdict
+    from diffcheck.core.types import CaseVerdict, Run, Verdict
 
 
 def __getattr__(name: str) -> Any:

@@ -24,8 +24,8 @@ Cases of a suite (engines, ledger, floors, as ``diffcheck golden record`` and
 Two more: `run_from_vllm` turns ``vllm.LLM.generate`` results into a `Run`, and `export_run`
 writes a run's logprobs as plain numbers (Parquet lists or CSV columns) for other tools.
 
-What passes is `diffcheck.judging.policy`'s decision (IDENTICAL, BENIGN_DRIFT and
-WITHIN_BUDGET pass); errors are `diffcheck.errors.DiffcheckError`s with one-line messages.
+What passes is `diffcheck.core.types`'s decision (IDENTICAL, BENIGN_DRIFT and
+WITHIN_BUDGET pass); errors are `diffcheck.core.errors.DiffcheckError`s with one-line messages.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from diffcheck.cases import Case, Suite
     from diffcheck.judging.classify import Tolerances
     from diffcheck.judging.floor import Floor
-    from diffcheck.pipeline.runner import Comparison, GoldenResult
-    from diffcheck.types import CaseVerdict, Run
+    from diffcheck.workflows.runner import Comparison, GoldenResult
+    from diffcheck.core.types import CaseVerdict, Run
 
 PathLike = str | os.PathLike
 Echo = Callable[[str], None]
@@ -70,7 +70,7 @@ def write_run(path: PathLike, run: Run) -> str:
 
 
 def _run(value: Run | PathLike, what: str) -> Run:
-    from diffcheck.types import Run
+    from diffcheck.core.types import Run
 
     if isinstance(value, Run):
         return value
@@ -91,12 +91,12 @@ def compare(reference_run: Run | PathLike, candidate_run: Run | PathLike, *, for
     without one, margins sit at diffcheck's resolution. `tolerances`: a `Tolerances` or a dict of
     its fields (as in a case's ``[tolerances]`` table).
 
-    Returns one `CaseVerdict`: truthy when it passes (`diffcheck.judging.policy`), its worst
+    Returns one `CaseVerdict`: truthy when it passes (`diffcheck.core.types`), its worst
     sequence's verdict in ``.verdict``, per-sequence t*, onset, evidence and statistics in
     ``.sequences``.
     """
     from diffcheck.judging import classify
-    from diffcheck.pipeline.runner import with_quality
+    from diffcheck.workflows.runner import with_quality
 
     reference, candidate = _run(reference_run, "reference_run"), _run(candidate_run, "candidate_run")
     if tolerances is None:
@@ -133,18 +133,18 @@ def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, g
     """Run candidate `case_id` of `suite` and judge it against each of its references' goldens and
     noise floors, as ``diffcheck compare`` does (ledger reuse, forced replay, reference scoring).
 
-    `suite`: a name, a path or a loaded `Suite` (default: the project's, `diffcheck.config`);
+    `suite`: a name, a path or a loaded `Suite` (default: the project's, `diffcheck.core.config`);
     `goldens`: the goldens root (default: the project's); `run_file`: judge that recorded run
     instead of starting an engine; `force`: run again even if the ledger holds an identical run;
     `echo`: a progress callback (default: silent); `replay`: ``"partial"`` (forced replay only
     where the candidate left the golden's path, from its t*) or ``"full"`` (every sequence from
-    step 0), default per case (`diffcheck.pipeline.replay.mode_for`). Returns a `Comparison`: ``.verdicts`` (one
+    step 0), default per case (`diffcheck.engines.replay.mode_for`). Returns a `Comparison`: ``.verdicts`` (one
     `CaseVerdict` per reference), ``.verdict`` (the worst), ``.candidate`` and ``.goldens``.
     An engine failure is an ERROR verdict, not an exception. A reference case is judged against
     its own stored golden (a fresh run with today's engine; `own_golden`, default: when it has
     no references), the regression check of the engine itself.
     """
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     return runner.compare(_suite(suite), case_id, root=runner.goldens_root(goldens),
                           run_file=Path(run_file) if run_file is not None else None, verbose=verbose,
@@ -163,7 +163,7 @@ def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = No
     (``.status``: recorded, unchanged, up to date or updated; ``.path``; ``.digest``).
     """
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     resolved = case if isinstance(case, cases.Case) else cases.get_case(_suite(suite), case)
     return runner.record_golden(resolved, root=runner.goldens_root(goldens), update=update, force=force,
@@ -184,7 +184,7 @@ def run_from_vllm(outputs: Any, *, case_id: str = "vllm", suite: str = "", role:
 
     from diffcheck import __version__
     from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs  # the offline engine's own conversion
-    from diffcheck.types import Run, RunMeta, SequenceInfo
+    from diffcheck.core.types import Run, RunMeta, SequenceInfo
 
     if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
         raise ConfigError(f"expected a list of vllm.RequestOutput (LLM.generate's result), got {type(outputs).__name__}")

@@ -9,11 +9,11 @@ pytest-regressions' ``data_regression``::
         llm_golden.check(outputs)
 
 ``llm_golden.check(outputs, *, name=None)`` takes a list of ``vllm.RequestOutput`` (generated
-with ``logprobs=K``) or a `diffcheck.types.Run`, and compares it with the golden stored
+with ``logprobs=K``) or a `diffcheck.core.types.Run`, and compares it with the golden stored
 beside the test file, ``<test_dir>/<test_file_stem>/<name>.parquet`` (``name`` defaults to the
 test's name, with anything but letters, digits, ``_ . -`` replaced by ``_``). The judge is
 `diffcheck.compare` without a noise floor (margins at diffcheck's resolution); what passes is
-`diffcheck.judging.policy`'s decision: IDENTICAL, BENIGN_DRIFT, WITHIN_BUDGET.
+`diffcheck.core.types`'s decision: IDENTICAL, BENIGN_DRIFT, WITHIN_BUDGET.
 
 - No golden yet: it is written and the test fails saying so (commit it; the next run passes).
 - A failing verdict: the test fails with the verdict and the first evidence lines, and the
@@ -80,7 +80,7 @@ class LLMGolden:
         if name is None:
             return self.default_name
         if not isinstance(name, str) or not _NAME.match(name):
-            from diffcheck.errors import ConfigError
+            from diffcheck.core.errors import ConfigError
 
             raise ConfigError(f"{self.test_file}: llm_golden.check(name={name!r}) is not a valid golden name "
                               "(valid: letters, digits, '_', '.', '-', starting with a letter or digit)")
@@ -93,14 +93,14 @@ class LLMGolden:
         (the obtained run is written beside the golden); see the module docstring.
         """
         from diffcheck import api
-        from diffcheck.errors import DiffcheckError
-        from diffcheck.judging.policy import passes
+        from diffcheck.core.errors import DiffcheckError
+        from diffcheck.core.types import passes
         from diffcheck.storage import store
-        from diffcheck.types import Run
+        from diffcheck.core.types import Run
 
         key = self._name(name)
         if key in self._used:
-            from diffcheck.errors import ConfigError
+            from diffcheck.core.errors import ConfigError
 
             raise ConfigError(f"{self.test_file}: llm_golden.check called twice with name {key!r} in one test; "
                               "give each check its own name=")
@@ -110,7 +110,7 @@ class LLMGolden:
         suite = self.test_file.stem
         if isinstance(outputs, Run):
             if outputs.meta.kind != "generate":
-                from diffcheck.errors import ConfigError
+                from diffcheck.core.errors import ConfigError
 
                 raise ConfigError(f"{self.test_file}: llm_golden.check takes a generated run (kind 'generate'), "
                                   f"got a {outputs.meta.kind!r} run")
@@ -170,7 +170,7 @@ def _prompts_differ(golden, obtained) -> str | None:
 
 def describe(verdict) -> str:
     """The verdict line and the first evidence lines of the worst failing sequences."""
-    from diffcheck.judging.policy import passes
+    from diffcheck.core.types import passes
 
     lines = [str(verdict)]
     bad = sorted((s for s in verdict.sequences if not passes(s.verdict)), key=lambda s: -s.verdict.value)

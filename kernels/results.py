@@ -124,7 +124,7 @@ def write_json(result: SuiteResult, path: str | Path) -> Path:
 
 
 def read_json(path: str | Path) -> SuiteResult:
-    from diffcheck.errors import DataError
+    from diffcheck.core.errors import DataError
 
     path = Path(path)
     try:
@@ -184,7 +184,7 @@ def read_parquet(path: str | Path) -> SuiteResult:
     """Read stored results; DataError if missing, foreign, of another schema or tampered with."""
     import pyarrow.parquet as pq
 
-    from diffcheck.errors import DataError
+    from diffcheck.core.errors import DataError
 
     path = Path(path)
     if not path.exists():

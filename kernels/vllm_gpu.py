@@ -326,7 +326,7 @@ def faulted_builder(builder_cls: type, fault: str | None) -> type:
     if fault is None:
         return builder_cls
     from diffcheck.faults import gpu
-    from diffcheck.faults.spec import parse_env
+    from diffcheck.cases.faults import parse_env
 
     spec = parse_env({"DIFFCHECK_FAULT": fault})
     cls = type(f"{builder_cls.__name__}_{fault.replace('-', '_').replace(':', '_')}", (builder_cls,),

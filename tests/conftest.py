@@ -57,7 +57,7 @@ def smoke_suite(smoke_suite_path):
 @pytest.fixture(scope="session")
 def engine(smoke_suite):
     """The one shared real engine (the smoke suite's reference J)."""
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     eng = runner.open_engine(smoke_suite.cases["J"])
     yield eng
@@ -72,7 +72,7 @@ def reference_run(engine):
 @pytest.fixture(scope="session")
 def engine_pool(engine):
     """A pool that already holds the shared engine as reference J (never closed by tests)."""
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     pool = runner.EnginePool()
     pool.engines["J"] = engine

@@ -1,6 +1,6 @@
 """Builders the tests share: one synthetic run (`make_run`) and one case-suite file (`write_suite`).
 
-`make_run` builds a `diffcheck.types.Run` from per-sequence data. Where the step
+`make_run` builds a `diffcheck.core.types.Run` from per-sequence data. Where the step
 data comes from, first match wins:
 
 - ``distributions``: one ``[n, V]`` array of log-probabilities per sequence. Each
@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps
 
 VOCAB = 49152  # random ids are drawn below this (smollm2's vocabulary size)
 LADDER_STEP = 3.0  # nats between the ranks of a tokens-only run's top-k

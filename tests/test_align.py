@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffcheck.judging.align import align, first_divergence, segment_rows
-from diffcheck.errors import DataError
-from diffcheck.types import Run
+from diffcheck.core.errors import DataError
+from diffcheck.core.types import Run
 
 from factories import make_run
 

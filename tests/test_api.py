@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import diffcheck
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.core.errors import ConfigError, DataError
 from factories import make_run, write_suite
 
 PUBLIC = ("record_golden", "compare", "compare_case", "read_run", "write_run", "Tolerances", "Verdict",
@@ -26,17 +26,18 @@ def _probe(code: str) -> dict:
 def test_import_diffcheck_is_light_and_names_load_on_first_use():
     probe = _probe(
         "import json, sys, diffcheck\n"
-        "heavy = ('numpy', 'pyarrow', 'torch', 'vllm', 'diffcheck.api', 'diffcheck.types')\n"
+        "heavy = ('numpy', 'pyarrow', 'torch', 'vllm', 'diffcheck.api', 'diffcheck.core.types')\n"
         "before = [m for m in heavy if m in sys.modules]\n"
         "v = diffcheck.Verdict.DEGRADED\n"
         "print(json.dumps({'before': before, 'after': 'numpy' in sys.modules, 'all': sorted(diffcheck.__all__)}))\n")
     assert probe["before"] == []
-    assert probe["after"] is True  # Verdict lives in diffcheck.types, which needs numpy
+    assert probe["after"] is True  # Verdict lives in diffcheck.core.types, which needs numpy
     assert set(PUBLIC) <= set(probe["all"])
 
 
 def test_every_public_name_resolves_and_unknown_names_raise():
-    from diffcheck import api, types
+    from diffcheck import api
+    from diffcheck.core import types
     from diffcheck.judging import classify, floor
 
     expected = {"record_golden": api.record_golden, "compare": api.compare, "compare_case": api.compare_case,

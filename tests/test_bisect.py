@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck.pipeline import bisect as bisecting
+from diffcheck.workflows import bisect as bisecting
 from diffcheck import plugins
 from diffcheck.storage import store
 from test_ledger import CLEAN, git, init_repo, load_case, make_run, write_suite
@@ -93,8 +93,8 @@ from pathlib import Path
 import diffcheck.faults as faults
 from diffcheck import cases, plugins
 from diffcheck.storage import ledger, store
-from diffcheck.pipeline import runner
-from diffcheck.types import Verdict
+from diffcheck.workflows import runner
+from diffcheck.core.types import Verdict
 from test_ledger import BROKEN, CLEAN, make_run
 
 root = Path(os.environ["DIFFCHECK_GOLDENS"])
@@ -312,7 +312,7 @@ def _gone(pid: int, wait_s: float = 10.0) -> bool:
 
 
 def _refusal(toy, **kw) -> str:
-    from diffcheck.errors import DiffcheckError
+    from diffcheck.core.errors import DiffcheckError
 
     with pytest.raises(DiffcheckError) as info:
         bisecting.run_bisect(toy.plan(**kw), echo=lambda line: None)
@@ -333,7 +333,7 @@ def test_refuses_a_bisect_in_progress(toy):
 
 
 def test_refuses_unknown_and_reversed_revisions(toy):
-    from diffcheck.errors import DiffcheckError
+    from diffcheck.core.errors import DiffcheckError
 
     plan = toy.plan()
     for good, bad, words in (("nope", plan.bad, "--good nope: no such commit"),
@@ -345,7 +345,7 @@ def test_refuses_unknown_and_reversed_revisions(toy):
 
 
 def test_refuses_a_case_without_its_golden(toy):
-    from diffcheck.errors import DataError
+    from diffcheck.core.errors import DataError
 
     store.run_path(toy.goldens, "toy", "J").unlink()
     with pytest.raises(DataError, match="no golden for 'J'"):
@@ -356,7 +356,7 @@ def test_refuses_a_case_without_its_golden(toy):
 
 
 def test_verdict_codes():
-    from diffcheck.types import Verdict
+    from diffcheck.core.types import Verdict
 
     assert bisecting.verdict_code(Verdict.IDENTICAL) == 0
     assert bisecting.verdict_code(Verdict.BENIGN_DRIFT) == 0
@@ -457,7 +457,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
 
     from diffcheck import cases
     from diffcheck.storage import ledger
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.cli import main
 
     hooks = {ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}

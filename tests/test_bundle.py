@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools.gpu_bundle import build as bundle
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.core.errors import ConfigError, DataError
 
 try:
     from packaging.requirements import Requirement

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from diffcheck.pipeline import calibrate as cal
-from diffcheck.pipeline import runner
+from diffcheck.workflows import calibrate as cal
+from diffcheck.workflows import runner
 from diffcheck.storage import store
 
 pytestmark = pytest.mark.engine

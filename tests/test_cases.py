@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffcheck import cases as lang
-from diffcheck.errors import ConfigError
-from diffcheck.faults import spec as fault_spec
-from diffcheck.types import Verdict
+from diffcheck.core.errors import ConfigError
+from diffcheck.cases import faults as fault_spec
+from diffcheck.core.types import Verdict
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
 PROMPTS = """

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from diffcheck import cases
-from diffcheck.errors import ConfigError, DataError
-from diffcheck.judging import policy
-from diffcheck.pipeline import check as checking
-from diffcheck.pipeline import runner
+from diffcheck.core.errors import ConfigError, DataError
+from diffcheck.core import types as policy
+from diffcheck.workflows import check as checking
+from diffcheck.workflows import runner
 from diffcheck.storage import store
-from diffcheck.types import Verdict
+from diffcheck.core.types import Verdict
 from factories import make_run, write_suite
 
 CASES = {

@@ -33,9 +33,9 @@ import pytest
 
 from conftest import ROOT, SMOKE_CASES, write_smoke_suite
 from diffcheck.engines import vllm_progress
-from diffcheck.judging import policy
+from diffcheck.core import types as policy
 from diffcheck.storage import store
-from diffcheck.types import Verdict
+from diffcheck.core.types import Verdict
 from factories import write_suite
 from terminal import gaps, run_in_pty, text_of, updates
 

@@ -19,8 +19,8 @@ import pytest
 from diffcheck.judging import classify
 from diffcheck.judging.classify import Tolerances, compare_runs, error_verdict
 from diffcheck.judging.floor import Floor
-from diffcheck.errors import ConfigError, DataError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps, Verdict
+from diffcheck.core.errors import ConfigError, DataError
+from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps, Verdict
 
 V, K, EOS = 4096, 8, 0
 PROSE = "The decode graph reads the refreshed block table before every replay. " * 3

@@ -18,8 +18,8 @@ import click
 import pytest
 
 from diffcheck import cli as climod
-from diffcheck.errors import ConfigError, EngineError
-from diffcheck.types import Run
+from diffcheck.core.errors import ConfigError, EngineError
+from diffcheck.core.types import Run
 
 from factories import make_run, suite_text, write_suite
 
@@ -235,8 +235,8 @@ def test_user_errors_map_to_their_exit_codes(monkeypatch, capsys, exc, code):
 
 
 def test_compare_exit_codes_for_an_engine_error_verdict():
-    from diffcheck.judging.policy import exit_code  # what `compare` exits with
-    from diffcheck.types import Verdict
+    from diffcheck.core.types import exit_code  # what `compare` exits with
+    from diffcheck.core.types import Verdict
 
     assert exit_code(Verdict.ERROR, strict=False, bisect_codes=False) == 3
     assert exit_code(Verdict.ERROR, strict=True, bisect_codes=True) == 125
@@ -251,7 +251,7 @@ def test_engine_refusal_is_raised_in_the_parent_with_its_root_cause(suite_path):
     # vLLM validates max_model_len against the model's config before it spawns the
     # engine core, so this fails in seconds, in this process, with no engine to clean up.
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     case = cases.load_suite(suite_path).cases["X"]
     with pytest.raises(EngineError) as info:

@@ -1,4 +1,4 @@
-"""Project configuration (diffcheck.config): [tool.diffcheck] < environment < flags, shipped suites, init."""
+"""Project configuration (diffcheck.core.config): [tool.diffcheck] < environment < flags, shipped suites, init."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from diffcheck import cases as lang
-from diffcheck import config
+from diffcheck.core import config
 from diffcheck.cli import main
-from diffcheck.errors import ConfigError
-from diffcheck.pipeline import runner
+from diffcheck.core.errors import ConfigError
+from diffcheck.workflows import runner
 from factories import write_suite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,6 +189,6 @@ def test_init_follows_an_existing_config_and_no_config_leaves_pyproject_alone(pr
 
 
 def test_config_import_stays_light():
-    code = "import sys, diffcheck.config; print(sorted(m for m in ('numpy', 'pyarrow', 'torch', 'vllm') if m in sys.modules))"
+    code = "import sys, diffcheck.core.config; print(sorted(m for m in ('numpy', 'pyarrow', 'torch', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

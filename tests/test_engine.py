@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 TWO_ENGINES = """
 import multiprocessing, os, signal, sys, threading
 from diffcheck import cases
-from diffcheck.pipeline import runner
+from diffcheck.workflows import runner
 
 suite = cases.load_suite(sys.argv[1])
 with runner.EnginePool() as pool:
@@ -80,7 +80,7 @@ def test_forced_replay_of_own_tokens_reproduces_logprobs(engine, reference_run):
 def test_partial_replay_from_t_star_matches_the_full_replay(engine, reference_run):
     # A golden that leaves the reference's path at step t of sequence 0 and follows it in sequence 1:
     # sequence 0 is replayed from t (prompt + the shared prefix prefilled), sequence 1 is reused.
-    from diffcheck.pipeline import replay
+    from diffcheck.engines import replay
 
     t = 6
     off = reference_run.offsets()

@@ -33,7 +33,7 @@ BAD_ENGINES = {
 
 @pytest.mark.parametrize("name", sorted(BAD_ENGINES))
 def test_engine_tables_a_kind_cannot_honour_are_refused_at_load(tmp_path, name):
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     engine, env, message = BAD_ENGINES[name]
     with pytest.raises(ConfigError) as info:
@@ -58,7 +58,7 @@ def test_what_a_configuration_cannot_do_is_said_per_case(tmp_path):
 def test_compare_states_a_missing_capability_in_its_echo_and_the_verdict_summary(tmp_path):
     """A base_url candidate has no forced replay: compare --run says so, and the summary's signals hold it."""
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     suite = cases.load_suite(write_suite(tmp_path / "cases", {

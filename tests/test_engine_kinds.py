@@ -463,7 +463,7 @@ def test_base_url_run_judged_after_the_server_stops_says_what_it_lacked(ctx, ext
 
 def test_hf_greedy_is_bit_reproducible_on_vllms_prompt_ids(ctx):
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     suite = cases.load_suite(ctx["suite_path"])
     golden = _read(ctx, "J.parquet")

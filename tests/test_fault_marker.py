@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.faults import marker
 
 DRIVER = 100

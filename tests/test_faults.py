@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.faults import FAULTS, describe, names_for_lane, register, valid_names, validate_env
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import DEFAULT_STEP, parse_env
+from diffcheck.cases.faults import DEFAULT_STEP, parse_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_register_is_idempotent_and_refuses_a_second_fault(tmp_path):
     marker = tmp_path / "marker.jsonl"
     code = (
         "import os, diffcheck.faults as f\n"
-        "from diffcheck.errors import ConfigError\n"
+        "from diffcheck.core.errors import ConfigError\n"
         "f.register(); f.register()\n"
         "from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder as B\n"
         "from vllm.v1.worker.gpu_model_runner import GPUModelRunner as R\n"

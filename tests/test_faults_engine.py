@@ -1,7 +1,7 @@
 """The faults inside a real vLLM engine (CPU lane, SmolLM2-135M, greedy, 2 prompts x 48 tokens, N = 16).
 
 One engine per config is the expensive part (~20-70 s start each, depending on the
-machine's load), so a single helper subprocess (``python -m diffcheck.faults.smoke``)
+machine's load), so a single helper subprocess (``python -m tools.fault_smoke``)
 runs every config this session selected, one engine after another, and writes all
 token ids, texts and marker lines to one JSON file; the tests below only read it.
 Only the configs of the selected tests are run (``-k stale`` starts two engines).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from diffcheck.faults import marker, names_for_lane
-from diffcheck.faults.smoke import CLEAN
+from tools.fault_smoke import CLEAN
 
 pytestmark = pytest.mark.engine
 
@@ -46,7 +46,7 @@ def smoke(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("faults") / "smoke.json"
     configs = _selected_configs(request.session)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCHECK_FAULT")}
-    cmd = [sys.executable, "-m", "diffcheck.faults.smoke", "--out", str(out), "--step", str(STEP),
+    cmd = [sys.executable, "-m", "tools.fault_smoke", "--out", str(out), "--step", str(STEP),
            "--max-tokens", str(MAX_TOKENS), *configs]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=HELPER_TIMEOUT_S)
     if not out.exists():

@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffcheck.pipeline import runner
+from diffcheck.workflows import runner
 from diffcheck.storage import store
-from diffcheck.errors import DiffcheckError
+from diffcheck.core.errors import DiffcheckError
 
 pytestmark = pytest.mark.engine
 

@@ -23,10 +23,10 @@ import pytest
 
 from diffcheck import cases
 from diffcheck.cli import main
-from diffcheck.errors import ConfigError
-from diffcheck.judging.policy import exit_code
+from diffcheck.core.errors import ConfigError
+from diffcheck.core.types import exit_code
 from diffcheck.storage import store
-from diffcheck.types import Verdict
+from diffcheck.core.types import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = cases.load_suite(ROOT / "cases" / "gpu-h200.toml")
@@ -126,7 +126,7 @@ def test_recorded_runs_are_what_the_cases_claim():
 def test_gpu_fault_refuses_to_install_without_cuda():
     """seq-lens-copy must not silently do nothing on CPU vLLM."""
     from diffcheck.faults import gpu
-    from diffcheck.faults.spec import FaultSpec
+    from diffcheck.cases.faults import FaultSpec
 
     with pytest.raises(ConfigError, match="seq-lens-copy' needs CUDA"):
         gpu.install(FaultSpec(name="seq-lens-copy", fixed=False, step=0))

@@ -27,10 +27,10 @@ import pytest
 from diffcheck import cases
 from diffcheck.cli import main
 from diffcheck.faults import marker
-from diffcheck.faults.spec import ENV_FAULT, ENV_MARKER
-from diffcheck.judging.policy import exit_code
+from diffcheck.cases.faults import ENV_FAULT, ENV_MARKER
+from diffcheck.core.types import exit_code
 from diffcheck.storage import store
-from diffcheck.types import Verdict
+from diffcheck.core.types import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_FILE = ROOT / "cases" / "gpu-h200-tp.toml"
@@ -85,7 +85,7 @@ def test_the_fault_case_writes_its_marker_beside_the_goldens():
 
 def test_the_tp1_reference_floor_gets_a_tp3_replica_and_the_cpu_suite_keeps_its_slow_tp_out():
     """J1's candidates O3 and OF3 run at TP3, so J1's floor covers TP3; J3's candidates all run at TP3."""
-    from diffcheck.pipeline.calibrate import perturbations_for
+    from diffcheck.workflows.calibrate import perturbations_for
 
     default = cases.load_suite(ROOT / "cases" / "default.toml")
     names = {ref: [p.name for p in perturbations_for(suite, ref)] for suite, ref in

@@ -313,7 +313,7 @@ class TestResults:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from diffcheck.errors import DataError
+        from diffcheck.core.errors import DataError
 
         path = write_parquet(result, tmp_path / "cpu.parquet")
         table = pq.read_table(path)
@@ -324,7 +324,7 @@ class TestResults:
             read_parquet(path)
 
     def test_other_schema_is_refused(self, result, tmp_path):
-        from diffcheck.errors import DataError
+        from diffcheck.core.errors import DataError
 
         data = result.to_json()
         data["schema"] = 99

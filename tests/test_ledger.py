@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from diffcheck.storage import ledger
-from diffcheck.errors import DataError
-from diffcheck.types import Run, Verdict
+from diffcheck.core.errors import DataError
+from diffcheck.core.types import Run, Verdict
 
 import factories
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from diffcheck.errors import DataError
+from diffcheck.core.errors import DataError
 from diffcheck.storage import manifest
 
 ROOT = Path(__file__).resolve().parents[1]

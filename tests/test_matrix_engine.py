@@ -157,7 +157,7 @@ def test_the_resumed_matrix_writes_every_report(sequential_matrix):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the session, started the way `diffcheck matrix --ray` starts it."""
-    from diffcheck.pipeline import matrix_ray
+    from diffcheck.workflows import matrix_ray
 
     try:
         ray = matrix_ray.connect("local", num_cpus=2)
@@ -169,7 +169,7 @@ def ray_cluster():
 
 
 def test_a_local_cluster_listens_on_loopback_only(ray_cluster):
-    from diffcheck.pipeline import matrix_ray
+    from diffcheck.workflows import matrix_ray
 
     assert ray_cluster.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     listening = matrix_ray.listening_addresses(matrix_ray.ray_pids())
@@ -185,7 +185,7 @@ def test_a_local_cluster_listens_on_loopback_only(ray_cluster):
 
 
 def test_a_task_that_dies_twice_is_an_error_not_a_verdict(ray_cluster, tmp_path):
-    from diffcheck.pipeline import matrix_ray
+    from diffcheck.workflows import matrix_ray
 
     marker = tmp_path / "attempts"
 
@@ -230,7 +230,7 @@ def _kill_worker_once(name: str, killed: list, stop: threading.Event) -> None:
 def test_ray_matrix_survives_a_killed_worker_and_equals_the_sequential_run(sequential_matrix, ray_cluster,
                                                                              tmp_path):
     from diffcheck import cases
-    from diffcheck.pipeline import matrix as mx
+    from diffcheck.workflows import matrix as mx
     from diffcheck.storage import ledger, store
 
     suite = cases.load_suite(sequential_matrix["suite"])
@@ -323,7 +323,7 @@ def build_vllm_repo(repo: Path) -> dict[str, str]:
 
 def test_bisect_names_the_vllm_commit_that_broke_decode_metadata(sequential_matrix, tmp_path, capsys):
     from diffcheck.cli import main
-    from diffcheck.pipeline import bisect as bisecting
+    from diffcheck.workflows import bisect as bisecting
     from diffcheck.storage import ledger
 
     assert VLLM.is_dir(), f"{VLLM}: the installed vLLM tree is missing"

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from diffcheck import cases
-from diffcheck.errors import DiffcheckError
-from diffcheck.pipeline import matrix as mx
-from diffcheck.pipeline import matrix_ray
+from diffcheck.core.errors import DiffcheckError
+from diffcheck.workflows import matrix as mx
+from diffcheck.workflows import matrix_ray
 
 ROOT = Path(__file__).resolve().parent.parent
 

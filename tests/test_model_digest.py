@@ -15,8 +15,8 @@ import pytest
 
 from diffcheck import cases
 from diffcheck.engines import models
-from diffcheck.errors import ConfigError
-from diffcheck.pipeline import runner
+from diffcheck.core.errors import ConfigError
+from diffcheck.workflows import runner
 from diffcheck.storage import ledger, manifest, store
 from diffcheck.storage.identity import vllm_source_state
 from factories import make_run, write_suite

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from diffcheck.engines import models
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.core.errors import ConfigError, DataError
 
 
 def test_unknown_model_id_names_the_known_ones(tmp_path):

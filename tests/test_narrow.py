@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from diffcheck import cases
 from diffcheck.cases.outcomes import load_outcomes
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.judging import narrow
-from diffcheck.pipeline import matrix as mx
+from diffcheck.workflows import matrix as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_SUITE = ROOT / "cases" / "flash-v100-quality.toml"
@@ -193,10 +193,10 @@ def _default_outcomes(suite) -> tuple[dict[str, str], str]:
     """Verdicts of the default suite's labelled CPU cases: re-judged from goldens/default when every
     recorded run is there (no engine: forced and scored files included), else synthetic CaseVerdicts
     built from each case's label."""
-    from diffcheck.judging.policy import fails
-    from diffcheck.pipeline import runner, selftest
+    from diffcheck.core.types import fails
+    from diffcheck.workflows import runner, selftest
     from diffcheck.storage import store
-    from diffcheck.types import CaseVerdict, Verdict
+    from diffcheck.core.types import CaseVerdict, Verdict
 
     chosen = selftest.labelled_cases(suite)
     folder = GOLDENS / "default"

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from diffcheck import progress
+from diffcheck.core import progress
 from diffcheck.engines.vllm_progress import startup_phase
 from terminal import gaps, run_in_pty, text_of, updates
 
@@ -92,7 +92,7 @@ def test_the_display_survives_the_engine_capturing_fd_2(tmp_path):
     """vLLM runs with fd 1 and 2 sent to the engine log; the display must still reach the terminal."""
     script = textwrap.dedent("""
         import os, sys
-        from diffcheck import progress
+        from diffcheck.core import progress
         with progress.display(live=False) as shown:
             log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
             os.dup2(log, 1)

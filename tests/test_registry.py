@@ -86,7 +86,7 @@ def test_every_kind_registers_its_class_from_its_own_module(kind):
 
 def test_engine_class_of_an_unknown_kind_is_a_config_error():
     from diffcheck.engines import registry
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"valid: {', '.join(sorted(registry.KINDS))}"):
         registry.engine_class("tgi")
@@ -108,7 +108,7 @@ def test_register_engine_refuses_what_the_static_map_does_not_know():
 
 
 def test_keys_of_another_kind_and_credentials_in_a_url_are_refused_at_load(tmp_path):
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         _load(tmp_path / "a", {"kind": "vllm", "base_url": "http://127.0.0.1:8000"})

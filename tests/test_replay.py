@@ -1,4 +1,4 @@
-"""Forced replay only where needed (diffcheck.pipeline.replay): plans, assembled runs, modes.
+"""Forced replay only where needed (diffcheck.engines.replay): plans, assembled runs, modes.
 
 The oracle is a synthetic deterministic model: the distribution at each step is a
 function of the context (prompt + tokens so far) alone, the way an engine's
@@ -14,8 +14,8 @@ import zlib
 import numpy as np
 import pytest
 
-from diffcheck.errors import ConfigError
-from diffcheck.pipeline import replay
+from diffcheck.core.errors import ConfigError
+from diffcheck.engines import replay
 from factories import make_run, write_suite
 
 V, K = 64, 6

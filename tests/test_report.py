@@ -29,7 +29,7 @@ from diffcheck.report.html import (
 from diffcheck.report.json_report import VERSION, write_json
 from diffcheck.report.junit import write_junit
 from diffcheck.report.terminal import make_console, render_divergence, render_table
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 SCRIPT = "<script>alert('x') & \"q\"</script>"
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from diffcheck.report import ReportInput
 from diffcheck.report.html import DIVERGENCE_COLOUR, NLL_CANDIDATE_COLOUR, ONSET_COLOUR, write_html
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 INSTALL = "apt-get update && apt-get install -y chromium"
 WINDOW = (1200, 900)

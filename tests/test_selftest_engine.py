@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from diffcheck.pipeline import runner, selftest
+from diffcheck.workflows import runner, selftest
 from diffcheck.storage import store
-from diffcheck.types import Verdict
+from diffcheck.core.types import Verdict
 
 pytestmark = pytest.mark.engine
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffcheck.storage import store, codec as store_format
-from diffcheck.errors import ConfigError, DataError, LockedError
-from diffcheck.types import Run
+from diffcheck.core.errors import ConfigError, DataError, LockedError
+from diffcheck.core.types import Run
 
 import factories
 

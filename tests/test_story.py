@@ -116,7 +116,7 @@ def test_a_project_anywhere(venv, model_path, tmp_path):
     repo.mkdir()
     assert _run(["git", "init", "-q"], cwd=repo, env=env).returncode == 0
 
-    where = _run([python, "-c", "import diffcheck, diffcheck.pytest_plugin, diffcheck.config as c; "
+    where = _run([python, "-c", "import diffcheck, diffcheck.pytest_plugin, diffcheck.core.config as c; "
                                 "print(diffcheck.__file__); print(diffcheck.pytest_plugin.__file__); "
                                 "print(c.shipped_suites_dir())"], cwd=repo, env=env)
     assert where.returncode == 0, _show(where)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_fault_at_tp3_acts_once_in_each_of_three_worker_ranks(tmp_path):
     from diffcheck import cases
     from diffcheck.faults import marker
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     marker_file = tmp_path / "logs" / "marker.jsonl"
     env = {"DIFFCHECK_FAULT": "lost-head", "DIFFCHECK_FAULT_STEP": "2", "DIFFCHECK_FAULT_MARKER": str(marker_file),

@@ -21,7 +21,7 @@ is one `ConfigError` line naming the file, the case, the key and what is valid):
 - A candidate names its references; references must be cases of role
   ``reference`` with the same prompts (runs are compared prompt by prompt).
 - ``env``'s DIFFCHECK_FAULT* keys are checked against the fault registry
-  (`diffcheck.faults.spec`, no engine import) after inheritance: a misspelled
+  (`diffcheck.cases.faults`, no engine import) after inheritance: a misspelled
   fault or option refuses the suite, not the engine start.
 """
 

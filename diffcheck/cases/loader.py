@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import ConfigError
-from diffcheck.types import ROLES, Verdict
+from diffcheck.core.errors import ConfigError
+from diffcheck.core.types import ROLES, Verdict
 from diffcheck.cases.schema import (
     CASE_KEYS, CONFIG_KEYS, ENGINE_SPEC, EXPECTABLE, RESET, SAMPLING_SPEC, Case, EngineConfig,
     Expect, Sampling, Suite, display_path,
@@ -19,14 +19,14 @@ from diffcheck.cases.schema import (_is_file, _read_toml, _ID, _VAR, _Errors, _S
 
 
 def _default_cases_dir() -> Path:
-    from diffcheck import config
+    from diffcheck.core import config
 
     return config.cases_dir()
 
 
 def cases_dir() -> Path:
     """Where the project's suites live: $DIFFCHECK_CASES, else [tool.diffcheck] cases, else ./cases
-    (`diffcheck.config`)."""
+    (`diffcheck.core.config`)."""
     return _default_cases_dir()
 
 
@@ -40,7 +40,7 @@ def _suite_path(name_or_path: str | Path, folder: Path | None) -> Path:
     text = str(name_or_path)
     if text.endswith(".toml") or os.sep in text or "/" in text:
         return Path(text)
-    from diffcheck import config
+    from diffcheck.core import config
 
     folder = Path(folder) if folder is not None else _default_cases_dir()
     found = config.suite_file(text, folder)  # the project's suite, else the one shipped with diffcheck
@@ -55,9 +55,9 @@ def _suite_path(name_or_path: str | Path, folder: Path | None) -> Path:
 
 def load_suite(name_or_path: str | Path | None = None, *, cases_dir: Path | None = None) -> Suite:
     """A suite by name (``<cases>/<name>.toml``, else the suite of that name shipped with diffcheck)
-    or by path; refused whole on any error. None: the project's default suite (`diffcheck.config`)."""
+    or by path; refused whole on any error. None: the project's default suite (`diffcheck.core.config`)."""
     if name_or_path is None:
-        from diffcheck import config
+        from diffcheck.core import config
 
         name_or_path = config.default_suite()
     path = _suite_path(name_or_path, cases_dir)
@@ -214,10 +214,10 @@ def _check_engine(engine: EngineConfig, env: dict[str, str], err, where: str) ->
 def _check_fault_env(env: dict[str, str], err, where: str) -> None:
     """The DIFFCHECK_FAULT* keys of the merged env, as the faults will read them: a typo is refused now.
 
-    `diffcheck.faults.spec` is the registry (pure: no vLLM, no torch). Checked after
+    `diffcheck.cases.faults` is the registry (pure: no vLLM, no torch). Checked after
     inheritance, since a parent may set the fault and a child its step.
     """
-    from diffcheck.faults import spec
+    from diffcheck.cases import faults as spec
 
     try:
         spec.parse_env(env)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 
 OUTCOMES = ("bad", "clean", "not-a-verdict")
 METRICS = ("digit_ratio", "weird_runs", "repeated_num_runs", "max_digit_run", "tokens")

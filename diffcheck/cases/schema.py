@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.engines import registry
-from diffcheck.types import ROLES, Verdict
+from diffcheck.core.types import ROLES, Verdict
 
 DEFAULT_SUITE = "default"
 RESET = "default"  # the value that resets an inherited sampling/engine key

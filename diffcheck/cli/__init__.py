@@ -15,7 +15,7 @@ import sys
 import click
 
 from diffcheck import __version__
-from diffcheck.errors import DiffcheckError
+from diffcheck.core.errors import DiffcheckError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("diffcheck.cli.init", "Scaffold cases/ (a starter suite) and goldens/ in this repository."),

@@ -2,7 +2,7 @@
 
 Checks everything it can before touching the repository (the suite, the case,
 its goldens, the revisions, a clean work tree), then hands over to
-`diffcheck.pipeline.bisect.run_bisect` and renders its result: the first bad commit with
+`diffcheck.workflows.bisect.run_bisect` and renders its result: the first bad commit with
 subject and diffstat, the per-commit verdict table, the engine runs it took.
 
 Exit codes: 0 a first bad commit was found, 2 usage error, 3 the bisect could
@@ -79,11 +79,11 @@ def bisect(ctx, case_id, repo, good, bad, build, suite, goldens, strict, step_cm
     """
     from pathlib import Path
 
-    from diffcheck.pipeline import bisect as bisecting
+    from diffcheck.workflows import bisect as bisecting
 
     plan = bisecting.prepare(case_id, repo=repo, good=good, bad=bad, suite=suite, goldens=goldens, build=build,
                              strict=strict, verbose=bool((ctx.obj or {}).get("verbose")), step_cmd=step_cmd)
-    from diffcheck import progress
+    from diffcheck.core import progress
 
     with progress.display(verbose=plan.verbose) as shown:
         # Lines above a live display go through it; plain output stays on stdout as before.

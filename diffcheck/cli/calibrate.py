@@ -32,9 +32,10 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
     """
     from pathlib import Path
 
-    from diffcheck import cases, progress
-    from diffcheck.errors import ConfigError
-    from diffcheck.pipeline import calibrate as cal, runner
+    from diffcheck import cases
+    from diffcheck.core import progress
+    from diffcheck.core.errors import ConfigError
+    from diffcheck.workflows import calibrate as cal, runner
     from diffcheck.storage import store
 
     s = cases.load_suite(suite)

@@ -33,7 +33,7 @@ def list_(suite):
     from rich.table import Table
 
     from diffcheck import cases as lang
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     names = [suite] if suite else lang.list_suites()
     if not names:
@@ -94,7 +94,7 @@ def check(targets):
     exits 2 if any suite is refused.
     """
     from diffcheck import cases as lang
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     names = list(targets) or lang.list_suites()
     if not names:

@@ -33,8 +33,9 @@ def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit
     Exit 0 when every verdict passes (IDENTICAL, BENIGN_DRIFT, WITHIN_BUDGET; not the last
     with --strict), 1 on a regression, 3 on an engine failure, 2 on bad input.
     """
-    from diffcheck import cases, progress
-    from diffcheck.pipeline import check as checking, runner
+    from diffcheck import cases
+    from diffcheck.core import progress
+    from diffcheck.workflows import check as checking, runner
     from diffcheck.report import render_table, write_json, write_junit
     from diffcheck.report.terminal import make_console
 

@@ -6,8 +6,8 @@ import click
 
 
 def default_suite() -> str:
-    """--suite's default: $DIFFCHECK_SUITE, else [tool.diffcheck] suite, else "default" (diffcheck.config)."""
-    from diffcheck import config
+    """--suite's default: $DIFFCHECK_SUITE, else [tool.diffcheck] suite, else "default" (diffcheck.core.config)."""
+    from diffcheck.core import config
 
     return config.default_suite()
 

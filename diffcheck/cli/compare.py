@@ -10,7 +10,7 @@ from diffcheck.cli.common import goldens_option, suite_option
 def report_input(comparison, suite, case_id, meta, speed=None):
     """Token strings of both sides for the HTML report (tokenizer when available), and the runs' speed."""
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.report import ReportInput, SequenceTexts
 
     texts = {}
@@ -74,10 +74,11 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     """
     from pathlib import Path
 
-    from diffcheck import api, cases, progress
+    from diffcheck import api, cases
+    from diffcheck.core import progress
     from diffcheck.storage import ledger, store
-    from diffcheck.pipeline import runner
-    from diffcheck.errors import DiffcheckError
+    from diffcheck.workflows import runner
+    from diffcheck.core.errors import DiffcheckError
     from diffcheck.report import (render_divergence, render_speed, render_table, speed_summary, worst_sequence,
                                   write_html, write_json, write_junit)
 
@@ -121,6 +122,6 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     for p in (json_path, junit_path, html_path):
         if p:
             click.echo(f"wrote {p}")
-    from diffcheck.judging.policy import exit_code
+    from diffcheck.core.types import exit_code
 
     return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes)

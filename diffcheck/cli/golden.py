@@ -24,8 +24,9 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
     """Record goldens for CASE_IDS (default: every reference case of the suite)."""
     import time
 
-    from diffcheck import api, cases, progress
-    from diffcheck.pipeline import runner
+    from diffcheck import api, cases
+    from diffcheck.core import progress
+    from diffcheck.workflows import runner
 
     s = cases.load_suite(suite)
     ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
@@ -52,9 +53,9 @@ def verify(suite, goldens):
     """Check every golden's blake3 digest and schema."""
     from pathlib import Path
 
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
-    from diffcheck.errors import DataError
+    from diffcheck.core.errors import DataError
 
     from diffcheck import cases
 
@@ -89,7 +90,7 @@ def show(case_id, suite, goldens, kind):
 
     from diffcheck import cases
     from diffcheck.judging import quality
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     root = runner.goldens_root(goldens)
@@ -138,7 +139,7 @@ def export(target, suite, goldens, fmt, out):
     from pathlib import Path
 
     from diffcheck import api, cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     if target.endswith(".parquet") or "/" in target or Path(target).is_file():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 
 PROMPTS_NAME = "starter.toml"
 
@@ -105,7 +105,7 @@ def _config_table(root: Path, cases: Path, goldens: Path, suite: str) -> str:
 
 def scaffold(start: Path, *, config: bool = True) -> list[tuple[str, Path]]:
     """Create what is missing; return (what happened, path) for each file and folder considered."""
-    from diffcheck import config as cfg
+    from diffcheck.core import config as cfg
     from diffcheck.storage.manifest import atomic_write
 
     start = start.absolute()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from diffcheck.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
+from diffcheck.core.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
 
 
 @click.command("kernels")

@@ -51,8 +51,8 @@ def ledger(goldens, suite, case_id, json_path):
     """
 
     from diffcheck.storage import ledger as ledgermod
-    from diffcheck.pipeline import runner
-    from diffcheck.errors import DataError
+    from diffcheck.workflows import runner
+    from diffcheck.core.errors import DataError
 
     root = runner.goldens_root(goldens)
     path = root / ledgermod.FILENAME

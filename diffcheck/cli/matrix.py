@@ -10,7 +10,7 @@ from diffcheck.cli.common import goldens_option, suite_option
 def _print_table(result) -> None:
     from rich.table import Table
 
-    from diffcheck.pipeline import matrix as mx
+    from diffcheck.workflows import matrix as mx
     from diffcheck.report.terminal import make_console
 
     table = Table(*mx.COLUMNS, title=f"matrix: suite {result.suite.name}")
@@ -73,9 +73,9 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir
     from rich.console import Console
 
     from diffcheck import cases
-    from diffcheck.errors import ConfigError
-    from diffcheck.pipeline import matrix as mx
-    from diffcheck.pipeline import runner
+    from diffcheck.core.errors import ConfigError
+    from diffcheck.workflows import matrix as mx
+    from diffcheck.workflows import runner
     from diffcheck.report import atomic_write_text
 
     s = cases.load_suite(suite)
@@ -117,6 +117,6 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir
         raise ConfigError("--json/--junit/--html need verdicts: not available with --from-outcomes (use --md)")
     if outcomes_path:
         return 0
-    from diffcheck.judging.policy import exit_code
+    from diffcheck.core.types import exit_code
 
     return exit_code(result.verdict, strict=strict)

@@ -28,7 +28,7 @@ def prepare(model_id, cache, force):
 def list_():
     """List known model ids and whether they are prepared."""
     from diffcheck.engines import models
-    from diffcheck.errors import DataError
+    from diffcheck.core.errors import DataError
 
     for mid, spec in sorted(models.KNOWN_MODELS.items()):
         try:

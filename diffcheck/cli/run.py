@@ -21,8 +21,9 @@ def run(ctx, case_id, suite, goldens, force, replay):
     Writes <case>.run.parquet and <case>.forced-<ref>.parquet beside the goldens, so
     `diffcheck compare CASE_ID --run FILE` can judge it later without an engine.
     """
-    from diffcheck import cases, progress
-    from diffcheck.pipeline import runner
+    from diffcheck import cases
+    from diffcheck.core import progress
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     s = cases.load_suite(suite)

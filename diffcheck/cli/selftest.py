@@ -25,8 +25,9 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
 
     from rich.table import Table
 
-    from diffcheck import cases, progress
-    from diffcheck.pipeline import runner, selftest as st
+    from diffcheck import cases
+    from diffcheck.core import progress
+    from diffcheck.workflows import runner, selftest as st
     from diffcheck.storage import store
     from diffcheck.report.terminal import make_console
 
@@ -34,7 +35,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     root = runner.goldens_root(goldens)
     chosen = st.labelled_cases(s, include=set(case_ids) or None)
     if not chosen:
-        from diffcheck.errors import ConfigError
+        from diffcheck.core.errors import ConfigError
 
         raise ConfigError(f"{s.path}: no labelled cases (add `expect = ...` to candidate cases)")
     verbose = ctx.obj.get("verbose", False)

@@ -17,7 +17,7 @@ for one configuration.
 ``progress``: an optional callback ``progress(done, total)`` that each of the three calls
 invokes as work gets done (tokens generated or forced, tokens scored; ``total`` may
 shrink when a sequence stops early), so a caller can show tokens/s and an ETA
-(`diffcheck.progress`). None: no reports.
+(`diffcheck.core.progress`). None: no reports.
 A failed start or a crash raises `EngineError` (exit 3) with one root-cause line.
 """
 
@@ -29,7 +29,7 @@ import platform
 from abc import ABC, abstractmethod
 from typing import Any
 
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 
 class Engine(ABC):
@@ -58,7 +58,7 @@ class Engine(ABC):
         """What every engine keeps of its case; a fault env or an engine.kind it cannot run is
         refused in one line, before anything starts."""
         from diffcheck import faults
-        from diffcheck.errors import ConfigError
+        from diffcheck.core.errors import ConfigError
 
         self.case, self.model, self.prompts, self.verbose = case, model, list(prompts), verbose
         self.env = {str(k): str(v) for k, v in (case.env or {}).items()}
@@ -96,7 +96,7 @@ def run_meta(engine, kind: str, source: dict | None = None):
     import datetime
 
     from diffcheck import __version__
-    from diffcheck.types import RunMeta
+    from diffcheck.core.types import RunMeta
 
     case = engine.case
     return RunMeta(

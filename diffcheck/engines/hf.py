@@ -44,8 +44,8 @@ from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, run_meta
 from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_outputs import concat
-from diffcheck.errors import ConfigError, EngineError
-from diffcheck.types import Run, SequenceInfo
+from diffcheck.core.errors import ConfigError, EngineError
+from diffcheck.core.types import Run, SequenceInfo
 
 _DTYPES = {None: None, "auto": None, "float32": "float32", "float": "float32", "float16": "float16",
            "half": "float16", "bfloat16": "bfloat16"}

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.core.errors import ConfigError, DataError
 from diffcheck.storage import manifest as manifest_scheme
 
 MANIFEST = "diffcheck-model.json"

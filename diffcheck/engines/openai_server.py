@@ -68,8 +68,8 @@ from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, run_meta
 from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
-from diffcheck.errors import ConfigError, EngineError
-from diffcheck.types import Run, SequenceInfo
+from diffcheck.core.errors import ConfigError, EngineError
+from diffcheck.core.types import Run, SequenceInfo
 
 START_TIMEOUT_S = float(os.environ.get("DIFFCHECK_SERVER_START_TIMEOUT_S", "600"))
 REQUEST_TIMEOUT_S = float(os.environ.get("DIFFCHECK_SERVER_REQUEST_TIMEOUT_S", "1800"))

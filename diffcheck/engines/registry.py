@@ -6,7 +6,7 @@ decorates its class with ``@register_engine(kind, capabilities=...)``, and
 registered. The kinds themselves are a static name -> module map
 (`ENGINE_MODULES`), so the case schema knows the valid kinds, and refuses a typo
 when a suite loads, without importing any engine: this module imports nothing but
-`diffcheck.errors`. The static rules on which engine keys a kind takes
+`diffcheck.core.errors`. The static rules on which engine keys a kind takes
 (`check_config`) live here for the same reason.
 
 Capabilities, what a comparison can ask of an engine (`CAPABILITIES`):
@@ -87,7 +87,7 @@ def _unknown(kind: Any) -> str:
 
 def engine_class(kind: str) -> type:
     """The class registered for `kind`, importing its module on first use."""
-    from diffcheck.errors import ConfigError
+    from diffcheck.core.errors import ConfigError
 
     if kind not in ENGINE_MODULES:
         raise ConfigError(_unknown(kind))

@@ -36,9 +36,9 @@ from diffcheck.engines.vllm_args import effective_config, engine_env, is_cpu, ll
 from diffcheck.engines.vllm_logs import captured_output, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
 from diffcheck.engines.vllm_progress import run_requests, tail_phases
-from diffcheck.errors import ConfigError, EngineError
+from diffcheck.core.errors import ConfigError, EngineError
 from diffcheck.storage.identity import vllm_source_state
-from diffcheck.types import Run, RunMeta, SequenceInfo
+from diffcheck.core.types import Run, RunMeta, SequenceInfo
 
 # How long close() waits for the threads vLLM started in this process to end after its shutdown.
 THREAD_JOIN_S = 10.0
@@ -340,7 +340,7 @@ class VllmOffline(Engine):
         prefill; a prefix-cache hit where the engine caches prefixes) and is forced
         along the rest: its row at step s comes from that prefill's last position, not
         from a decode step; rows after s are decode steps again. The returned run's
-        sequence i holds steps ``starts[i]..`` only (`diffcheck.pipeline.replay`
+        sequence i holds steps ``starts[i]..`` only (`diffcheck.engines.replay`
         puts the whole forced path together); ``meta.source["from_steps"]`` says where
         each began.
         """

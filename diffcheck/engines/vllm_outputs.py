@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diffcheck.types import Steps
+from diffcheck.core.types import Steps
 
 
 def steps_from_logprobs(tokens: list[int], logprobs, k: int) -> dict[str, np.ndarray]:

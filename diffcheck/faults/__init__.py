@@ -31,7 +31,7 @@ import importlib
 import os
 from collections.abc import Mapping
 
-from diffcheck.faults.spec import CATALOGUE, FAULTS, FaultSpec, describe, names_for_lane, parse_env, valid_names
+from diffcheck.cases.faults import CATALOGUE, FAULTS, FaultSpec, describe, names_for_lane, parse_env, valid_names
 
 __all__ = [
     "FAULTS", "CATALOGUE", "FaultSpec", "describe", "names_for_lane", "register", "validate_env", "valid_names",
@@ -67,7 +67,7 @@ def register() -> None:
         if state.spec != spec:
             # Patches close over their spec; a second, different fault in one process
             # would leave the first one half in place.
-            from diffcheck.errors import ConfigError
+            from diffcheck.core.errors import ConfigError
 
             raise ConfigError(
                 f"fault {state.spec.label!r} is already patched into pid {os.getpid()}; "

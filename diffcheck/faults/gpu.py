@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import os
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import FaultSpec
+from diffcheck.cases.faults import FaultSpec
 
 NAME = "seq-lens-copy"
 

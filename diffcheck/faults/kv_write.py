@@ -19,7 +19,7 @@ DIFFCHECK_FAULT_LAYER (default 0) or in every layer (``all``).
 from __future__ import annotations
 
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import FaultSpec
+from diffcheck.cases.faults import FaultSpec
 
 
 def install(spec: FaultSpec) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import FaultSpec
+from diffcheck.cases.faults import FaultSpec
 
 
 def install(spec: FaultSpec) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 
 
 def read_events(path: Path) -> list[dict]:

@@ -21,7 +21,7 @@ RoPE runs inside the model's traced region: the fault is meant for eager engines
 from __future__ import annotations
 
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import FaultSpec
+from diffcheck.cases.faults import FaultSpec
 
 
 def install(spec: FaultSpec) -> None:

@@ -24,8 +24,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from diffcheck.errors import ConfigError
-from diffcheck.faults.spec import ENV_HEAD, ENV_LAYER, FaultSpec
+from diffcheck.core.errors import ConfigError
+from diffcheck.cases.faults import ENV_HEAD, ENV_LAYER, FaultSpec
 
 # A child of vLLM's logger, so the line carries vLLM's "(Worker pid=...)" prefix.
 log = logging.getLogger("vllm.diffcheck.faults")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from diffcheck.faults import runtime
-from diffcheck.faults.spec import FaultSpec
+from diffcheck.cases.faults import FaultSpec
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID: block 0 is the padding block
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffcheck.errors import DataError
-from diffcheck.types import Run
+from diffcheck.core.errors import DataError
+from diffcheck.core.types import Run
 
 
 def first_divergence(reference_tokens, candidate_tokens) -> int | None:

@@ -8,7 +8,7 @@ import numpy as np
 from diffcheck.judging.align import Alignment
 from diffcheck.judging.paths import Layout
 from diffcheck.judging.tolerances import Tolerances
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 
 def baselines(reference: Run, candidate: Run, ref: Layout, cand: Layout, al: Alignment, tol: Tolerances

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from diffcheck.errors import DataError
+from diffcheck.core.errors import DataError
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import align
 from diffcheck.judging.baselines import baselines
@@ -43,7 +43,7 @@ from diffcheck.judging.judge import Judge
 from diffcheck.judging.paths import Layout, Limits, check_follows, same_context_path
 from diffcheck.judging.signals import nll
 from diffcheck.judging.tolerances import BUDGETS, Tolerances, budget_for  # noqa: F401  (public here too)
-from diffcheck.types import CaseVerdict, Run, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, Run, SequenceVerdict, Verdict
 
 def error_verdict(candidate_id: str, reference_id: str, message: str) -> CaseVerdict:
     """The verdict of a case whose candidate engine failed: ERROR, no sequences."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import align, lengths, segment_rows
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 SPEC_KEYS = ("dtype", "kv_cache_dtype", "quantization")
 BLOCK = 16  # steps per block for batch-means standard errors (decode steps are correlated over a few tokens)

@@ -14,7 +14,7 @@ import numpy as np
 from diffcheck.judging import stats as S
 from diffcheck.judging.decision import decide
 from diffcheck.judging.signals import Signal, departure, loop_onset, mean, text_flags
-from diffcheck.types import SequenceVerdict, Verdict
+from diffcheck.core.types import SequenceVerdict, Verdict
 
 
 class Judge:

@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from diffcheck.errors import DataError
+from diffcheck.core.errors import DataError
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import check_matched, lengths, segment_rows
 from diffcheck.judging.decision import far_step_threshold, margins
 from diffcheck.judging.floor import Floor
 from diffcheck.judging.signals import departed
 from diffcheck.judging.tolerances import Tolerances
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffcheck.types import Steps
+from diffcheck.core.types import Steps
 
 TAIL_FLOOR = np.float32(1e-6)
 PROB_FLOOR = np.float32(1e-30)  # imputed probabilities below float32 resolution

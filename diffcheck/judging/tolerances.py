@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 from diffcheck.judging.decision import Budget
 
 _FRACTIONS = ("persist_fraction", "alpha", "beta")

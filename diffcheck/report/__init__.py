@@ -1,6 +1,6 @@
 """Reports: render `CaseVerdict`s as a terminal table, JSON, JUnit XML or one HTML file.
 
-Knows the verdict dataclasses (`diffcheck.types`) and the token strings of both
+Knows the verdict dataclasses (`diffcheck.core.types`) and the token strings of both
 sides; never imports an engine, torch or vllm, and never judges anything: every
 verdict, step and number shown comes from the verdicts as given.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from diffcheck.types import CaseVerdict, SequenceVerdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict
 
 BASELINE_NAMES = ("exact_match", "check_logprobs_close")
 

@@ -45,7 +45,7 @@ from diffcheck.report import (
     config_delta_lines,
     printable,
 )
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 # Distinctive colours: the browser test finds the curves in a screenshot by them.
 DIVERGENCE_COLOUR = "#e6007e"  # magenta

@@ -52,7 +52,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from diffcheck.report import atomic_write_text, case_baselines
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 SCHEMA = "diffcheck.report"
 VERSION = 1

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Iterable
 
 from diffcheck.report import atomic_write_text, case_baselines, config_delta_lines, printable
-from diffcheck.judging.policy import fails
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import fails
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 
 def _details(sequence: SequenceVerdict) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 NOTE = ("decode tokens/s: generated tokens over the wall time of one generate call for the whole prompt set "
         "(prefill included; a fresh engine's first call, so JIT and autotuning are in it); forced tokens/s: forced "

@@ -23,7 +23,7 @@ from diffcheck.report import (
     printable,
     worst_sequence,
 )
-from diffcheck.types import CaseVerdict, SequenceVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 CI_WIDTH = 160
 EVIDENCE_WIDTH = 60

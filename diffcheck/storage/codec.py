@@ -91,8 +91,8 @@ from typing import Any
 import blake3
 import numpy as np
 
-from diffcheck.errors import DataError
-from diffcheck.types import Run, RunMeta, SequenceInfo, Steps
+from diffcheck.core.errors import DataError
+from diffcheck.core.types import Run, RunMeta, SequenceInfo, Steps
 
 SCHEMA_VERSION = 2
 LOGPROB_MANTISSA_BITS = 6  # of float16's 10; see "Precision" above

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import DataError
+from diffcheck.core.errors import DataError
 from diffcheck.storage.identity import code_identity as _code_identity
 from diffcheck.storage.identity import code_state, engine_distribution, git_state  # noqa: F401 (re-exported)
-from diffcheck.types import Run, Verdict
+from diffcheck.core.types import Run, Verdict
 
 FILENAME = "ledger.sqlite"
 SCHEMA_VERSION = 1  # PRAGMA user_version; a newer file is refused, never rewritten

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffcheck.errors import DataError
+from diffcheck.core.errors import DataError
 
 STORE_KEYS = {"size": "bytes", "blake3": "file_blake3"}  # the golden store's committed spelling
 _CHUNK = 1 << 22

@@ -56,10 +56,10 @@ from typing import Iterator
 
 from diffcheck.storage import codec as _format
 from diffcheck.storage import manifest as _manifest
-from diffcheck.errors import ConfigError, DataError, LockedError
+from diffcheck.core.errors import ConfigError, DataError, LockedError
 from diffcheck.storage.codec import (  # noqa: F401  (the public API lives here too)
     LOGPROB_MANTISSA_BITS, SCHEMA_VERSION, content_digest, output_digest, quantize, quantize_logprobs)
-from diffcheck.types import Run, RunMeta
+from diffcheck.core.types import Run, RunMeta
 
 MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # cases.py's id rule

@@ -78,7 +78,7 @@ stage() {
       python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$STATE/logs/gpu.txt"
       timed install bash "$BUNDLE/install.sh" "$DEST"
       use_env
-      python3 -c "import vllm, vllm.entrypoints.llm, vllm.v1.attention.backends.triton_attn, diffcheck.faults.gpu, diffcheck.faults.spec as s; print('vllm', vllm.__version__, 'seq-lens-copy in catalogue:', 'seq-lens-copy' in s._BY_NAME); from importlib.metadata import entry_points; print('plugins', [e.name for e in entry_points(group='vllm.general_plugins')])" 2>&1 | tee -a "$STATE/logs/gpu.txt"
+      python3 -c "import vllm, vllm.entrypoints.llm, vllm.v1.attention.backends.triton_attn, diffcheck.faults.gpu, diffcheck.cases.faults as s; print('vllm', vllm.__version__, 'seq-lens-copy in catalogue:', 'seq-lens-copy' in s._BY_NAME); from importlib.metadata import entry_points; print('plugins', [e.name for e in entry_points(group='vllm.general_plugins')])" 2>&1 | tee -a "$STATE/logs/gpu.txt"
       ;;
     goldens)
       use_env

@@ -71,7 +71,7 @@ def _profiled(engine, traces: Path, label: str, run) -> dict:
 
 def main() -> int:
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")

@@ -16,7 +16,7 @@ O3 at TP1 and TP3), one engine at a time:
     logprobs, vLLM's own detokenizer); their difference is the **capture overhead**
     row (seconds per 1024 tokens, and its share of the time);
   - forced decode replay along the reference golden (J), **full** (every sequence from step 0);
-  - forced decode replay along it, **partial** (`diffcheck.pipeline.replay`:
+  - forced decode replay along it, **partial** (`diffcheck.engines.replay`:
     nothing for a sequence whose tokens equal J's, the rest from t*, prompt + shared
     prefix prefilled; with prefix caching on, mostly a cache hit): the steps the
     engine produced, their tokens/s, and the forced path's tokens/s.
@@ -56,7 +56,8 @@ def _entry(tokens: int, seconds: list[float], **extra) -> dict:
 
 
 def measure(case, golden, *, repeats: int) -> dict:
-    from diffcheck.pipeline import replay, runner
+    from diffcheck.engines import replay
+    from diffcheck.workflows import runner
 
     with runner.open_engine(case) as engine:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
@@ -103,7 +104,7 @@ def _f(value, fmt="{:.0f}") -> str:
 
 def main() -> int:
     from diffcheck import cases
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from diffcheck import __version__
-from diffcheck.errors import ConfigError, DataError, DiffcheckError
+from diffcheck.core.errors import ConfigError, DataError, DiffcheckError
 from diffcheck.storage import manifest as manifest_scheme
 
 try:  # vLLM's dependencies bring packaging; pip always vendors it

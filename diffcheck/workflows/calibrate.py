@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffcheck.errors import ConfigError, DataError
+from diffcheck.core.errors import ConfigError, DataError
 from diffcheck.judging.floor import Floor, build_floor, precision_spec
 from diffcheck.storage import store
-from diffcheck.types import Run
+from diffcheck.core.types import Run
 
 Echo = Callable[[str], None]
 
@@ -97,8 +97,8 @@ def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[
 def calibrate(case, *, root: Path, golden: Run, perturbations=PERTURBATIONS, verbose: bool = False,
               echo: Echo = print) -> Floor:
     """Record every replica of `case` (a reference) along its golden, then the floor."""
-    from diffcheck import progress
-    from diffcheck.pipeline.runner import open_engine
+    from diffcheck.core import progress
+    from diffcheck.workflows.runner import open_engine
 
     digest = store.content_digest(golden)
     for k, p in enumerate(perturbations, 1):

@@ -10,7 +10,7 @@
   business and are left out, with the reason; so are cases tagged ``slow`` or ``gpu``
   unless named with ``--case``.
 
-The exit code is `judging.policy.exit_code` of the worst verdict. The goldens part
+The exit code is `diffcheck.core.types.exit_code` of the worst verdict. The goldens part
 answers the question after an engine upgrade: which goldens *moved* (the reference's
 fresh run is not IDENTICAL to its golden), and whether each move is *benign* (the
 policy passes it: inside the noise floor, or a precision change inside its budget), the
@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Callable
 
 from diffcheck import cases as casesmod
-from diffcheck import progress
-from diffcheck.errors import DataError
-from diffcheck.judging import policy
-from diffcheck.pipeline import runner
+from diffcheck.core import progress
+from diffcheck.core.errors import DataError
+from diffcheck.core import types as policy
+from diffcheck.workflows import runner
 from diffcheck.storage import store
-from diffcheck.types import CaseVerdict, Verdict
+from diffcheck.core.types import CaseVerdict, Verdict
 
 Echo = Callable[[str], None]
 SKIP_TAGS = ("slow", "gpu")

@@ -1,12 +1,12 @@
 """Smoke runs of the faults on a real vLLM engine: one engine per config, one after another.
 
-``python -m diffcheck.faults.smoke --out results.json clean stale-decode-metadata ...``
+``python -m tools.fault_smoke --out results.json clean stale-decode-metadata ...``
 
 Each config (``clean`` or a DIFFCHECK_FAULT value) becomes one case of a small
 generated suite whose env holds the DIFFCHECK_FAULT* variables (the engine sets them
 while vLLM spawns its engine core and worker, so they are set before those processes
 exist). Each case's engine is opened through the public engine API
-(`diffcheck.pipeline.runner.open_engine`), runs the smoke prompts greedily, and is
+(`diffcheck.workflows.runner.open_engine`), runs the smoke prompts greedily, and is
 closed before the next config starts: never two engines at once. Then the fault's
 marker file is read back.
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from diffcheck.faults import marker as marker_file
-from diffcheck.faults.spec import ENV_FAULT, ENV_MARKER, ENV_OPTIONS, ENV_SCALE, ENV_STEP, parse_env
+from diffcheck.cases.faults import ENV_FAULT, ENV_MARKER, ENV_OPTIONS, ENV_SCALE, ENV_STEP, parse_env
 
 CLEAN = "clean"
 SMOKE_PROMPTS = (
@@ -124,7 +124,7 @@ class _EngineRun:
 
 def run_config(case, config: str, *, step: int, marker: Path, score: dict[str, object] | None = None) -> _EngineRun:
     """One engine for `config`'s case; if `score` (config -> Run) is given, this engine also scores those."""
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     t0 = time.monotonic()
     with runner.open_engine(case) as engine:
@@ -191,7 +191,7 @@ def run_all(model: str, configs: list[str], *, step: int, max_tokens: int) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffcheck.faults.smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.fault_smoke", description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+", help="'clean' or DIFFCHECK_FAULT values")
     parser.add_argument("--out", required=True, type=Path, help="JSON file for the results")
     parser.add_argument("--model", default="smollm2-135m", help="known model id or path (default smollm2-135m)")
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
-    from diffcheck.errors import DiffcheckError
+    from diffcheck.core.errors import DiffcheckError
     from diffcheck.engines.models import resolve
 
     try:

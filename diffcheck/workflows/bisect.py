@@ -4,7 +4,7 @@ Longer than 400 lines because it holds git bisect's driver, its signal handling 
 
 The engine's repository (a vLLM source tree, a plugin or a package used through
 PYTHONPATH) is bisected between a good and a bad revision. At each commit the
-step (``python -m diffcheck.pipeline.bisect --step PLAN``, run by ``git bisect run``):
+step (``python -m diffcheck.workflows.bisect --step PLAN``, run by ``git bisect run``):
 
 1. looks the commit's run up in the ledger: a cached verdict answers at once,
    so a repeated bisect costs no engine run;
@@ -47,8 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffcheck.errors import DiffcheckError, EngineError
-from diffcheck.types import Verdict
+from diffcheck.core.errors import DiffcheckError, EngineError
+from diffcheck.core.types import Verdict
 
 GOOD, BAD, SKIP = 0, 1, 125
 ABORT = 128  # git bisect run aborts on >= 128: an internal error must not be "skipped" at every commit
@@ -293,7 +293,7 @@ def run_bisect(plan: Plan, *, echo: Echo = print) -> BisectResult:
         try:
             watch = StepWatch(plan, n_commits)
             watch.saw(git(repo, "bisect", "start", bad, good, "--"))
-            cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.pipeline.bisect", "--step",
+            cmd = ["git", "-C", repo, "bisect", "run", sys.executable, "-m", "diffcheck.workflows.bisect", "--step",
                    str(plan_file)]
             # A session of its own: Ctrl-C reaches only this process, which then stops the
             # whole group (step, compare, engine) before restoring the repository.
@@ -349,7 +349,7 @@ class StepWatch:
     """
 
     def __init__(self, plan: Plan, n_commits: int):
-        from diffcheck import progress
+        from diffcheck.core import progress
 
         self.plan, self.shown = plan, progress.current()
         self.about = max(1, math.ceil(math.log2(max(n_commits, 2))))
@@ -427,8 +427,8 @@ def prepare(case_id: str, *, repo: str | Path, good: str, bad: str, suite: str =
             verbose: bool = False, step_cmd: str | None = None, log_dir: str | Path | None = None) -> Plan:
     """Check what can be checked before the repository is touched; returns the plan for `run_bisect`."""
     from diffcheck import cases as casesmod
-    from diffcheck.pipeline import runner
-    from diffcheck.errors import ConfigError
+    from diffcheck.workflows import runner
+    from diffcheck.core.errors import ConfigError
 
     root = runner.goldens_root(goldens).resolve()
     loaded = casesmod.load_suite(suite)
@@ -455,7 +455,7 @@ def verdict_code(verdict: Verdict, *, strict: bool = False) -> int | None:
     """The bisect code a judged verdict maps to; None for ERROR (never cached: it may be transient)."""
     if verdict is Verdict.ERROR:
         return None
-    from diffcheck.judging.policy import fails
+    from diffcheck.core.types import fails
 
     return BAD if fails(verdict, strict=strict) else GOOD
 
@@ -479,7 +479,7 @@ def step(plan: Plan) -> int:
     """Judge the checked-out commit; returns 0 good, 1 bad, 125 skip."""
     from diffcheck import cases as casesmod
     from diffcheck.storage import ledger
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     t0 = time.monotonic()
     commit = git(plan.repo, "rev-parse", "HEAD")
@@ -540,10 +540,10 @@ def step(plan: Plan) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m diffcheck.pipeline.bisect --step PLAN.json``: the command git bisect run calls."""
+    """``python -m diffcheck.workflows.bisect --step PLAN.json``: the command git bisect run calls."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "--step":
-        print("usage: python -m diffcheck.pipeline.bisect --step PLAN.json (run by `diffcheck bisect`)", file=sys.stderr)
+        print("usage: python -m diffcheck.workflows.bisect --step PLAN.json (run by `diffcheck bisect`)", file=sys.stderr)
         return ABORT
     plan = Plan(**json.loads(Path(args[1]).read_text()))
     try:

@@ -8,7 +8,7 @@ KV-cache change that must stay within its budget), or *benign* (anything else). 
 same sequences are also judged by the older rules, so the table shows what each
 would have said. A detector *flags* a case when it calls it broken:
 
-- ``diffcheck``: what `judging.policy` fails, or ERROR;
+- ``diffcheck``: what `diffcheck.core.types` fails, or ERROR;
 - ``exact_match`` (vLLM's check_outputs_equal): any token difference;
 - ``check_logprobs_close`` (vLLM): at the first mismatch, either side's token is
   outside the other's top-N.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffcheck.judging.policy import fails
-from diffcheck.types import Verdict
+from diffcheck.core.types import fails
+from diffcheck.core.types import Verdict
 
 DETECTORS = ("diffcheck", "exact_match", "check_logprobs_close")
 

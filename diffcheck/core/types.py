@@ -1,4 +1,4 @@
-"""The data that flows through diffcheck: runs and verdicts.
+"""The data that flows through diffcheck: runs, verdicts, and the pass/fail policy.
 
 Knows nothing about engines, files or rendering. Every stage talks in these
 frozen dataclasses: engines produce a `Run`, the store persists it, `align` /
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION
 
 RUN_KINDS = ("generate", "forced", "scored")
 ROLES = ("reference", "candidate")
@@ -141,7 +143,7 @@ class Run:
 class Verdict(enum.Enum):
     """Ordered by severity; a case's verdict is its worst sequence's.
 
-    What each means and which fail: `diffcheck.judging.policy`."""
+    What each means and which fail: `diffcheck.core.types`."""
 
     IDENTICAL = 0
     BENIGN_DRIFT = 1
@@ -192,8 +194,6 @@ class CaseVerdict:
     error: str | None = None  # set when verdict is ERROR
 
     def __bool__(self) -> bool:
-        from diffcheck.judging.policy import passes
-
         return passes(self.verdict)
 
     def __str__(self) -> str:
@@ -204,3 +204,51 @@ class CaseVerdict:
                 f" onset={worst.onset})" if worst.onset is not None else ")"
             )
         return f"{self.candidate_id} vs {self.reference_id}: {self.verdict.name}{where}"
+
+
+# -- the pass/fail policy --------------------------------------------------------------------
+# The pass/fail policy: which verdicts fail, and the exit code of a command.
+#
+# This is the only place that decides. The CLI, bisect, JUnit, the self-test and
+# `CaseVerdict.__bool__` ask it; none of them writes its own rule.
+#
+# | verdict        | meaning                                                              | exit |
+# |----------------|----------------------------------------------------------------------|------|
+# | IDENTICAL      | same tokens, distributions within the noise floor                    | 0    |
+# | BENIGN_DRIFT   | diverged, but within the floor (sampling flips included)              | 0    |
+# | WITHIN_BUDGET  | spec-changing candidate (dtype, KV-cache dtype, quantization, model)  | 0    |
+# |                | beyond the floor, but its precision cost is inside its budget         | 1 with --strict |
+# | DEGRADED       | beyond the floor (or the budget), not garbage                         | 1    |
+# | GIBBERISH      | garbage, with its onset step                                          | 1    |
+# | ERROR          | the engine failed: never a verdict on the candidate                   | 3 (125 with --bisect-codes) |
+#
+# Usage, configuration and data errors exit 2 (`diffcheck.core.errors`). A case's verdict
+# is its worst sequence's; a command's, its worst case's.
+
+PASSING = frozenset({Verdict.IDENTICAL, Verdict.BENIGN_DRIFT, Verdict.WITHIN_BUDGET})
+STRICT_PASSING = frozenset({Verdict.IDENTICAL, Verdict.BENIGN_DRIFT})
+
+
+def passes(verdict: Verdict, *, strict: bool = False) -> bool:
+    """True when `verdict` is a pass; with `strict`, a precision cost (WITHIN_BUDGET) fails too."""
+    return verdict in (STRICT_PASSING if strict else PASSING)
+
+
+def fails(verdict: Verdict, *, strict: bool = False) -> bool:
+    """A regression found in the candidate (never ERROR: an engine failure is no verdict)."""
+    return verdict is not Verdict.ERROR and not passes(verdict, strict=strict)
+
+
+def exit_code(verdict: Verdict, *, strict: bool = False, bisect_codes: bool = False) -> int:
+    """0 pass, 1 regression, 3 engine failure (125 under `git bisect run`: skip this commit)."""
+    if verdict is Verdict.ERROR:
+        return EXIT_BISECT_SKIP if bisect_codes else EXIT_ENGINE
+    return EXIT_PASS if passes(verdict, strict=strict) else EXIT_REGRESSION
+
+
+def describe(*, strict: bool = False) -> str:
+    """One line for --help texts: what passes."""
+    ok = sorted(STRICT_PASSING if strict else PASSING, key=lambda v: v.value)
+    return (f"Exit 0 when every sequence is {', '.join(v.name for v in ok)}; 1 on "
+            f"{'WITHIN_BUDGET, ' if strict else ''}DEGRADED or GIBBERISH; 3 on engine failure "
+            "(125 with --bisect-codes); 2 on bad input.")

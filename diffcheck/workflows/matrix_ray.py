@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diffcheck.errors import DiffcheckError, EngineError
+from diffcheck.core.errors import DiffcheckError, EngineError
 
 Echo = Callable[[str], None]
 LOCAL = "local"
@@ -95,7 +95,7 @@ def resources(case, *, gpu: bool, cpus_per_rank: float = 1.0) -> dict[str, float
 
 def golden_task(case, verbose: bool = False):
     """Generate a reference's golden run; returns the Run."""
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     with runner.open_engine(case, verbose=verbose) as engine:
         run = runner._with_config(engine.generate(), case)
@@ -108,8 +108,8 @@ def candidate_task(case, ref_cases: dict, goldens: dict, verbose: bool = False):
     Returns (candidate, {ref: forced}, {ref: scored}, seconds)."""
     import ray
 
-    from diffcheck.pipeline import replay as replaymod
-    from diffcheck.pipeline import runner
+    from diffcheck.engines import replay as replaymod
+    from diffcheck.workflows import runner
 
     t0 = time.perf_counter()
     # Goldens come as object refs (put once, shared by every task); refs nested in a dict are not
@@ -175,9 +175,9 @@ def run(suite, p, *, root: Path, address: str = LOCAL, echo: Echo = print, force
         verbose: bool = False, cpus_per_rank: float = 1.0):
     """The goldens, then the candidates, as Ray tasks; returns (comparisons, golden errors) like a
     sequential matrix."""
-    from diffcheck.pipeline import matrix as mx
-    from diffcheck.pipeline import replay as replaymod
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import matrix as mx
+    from diffcheck.engines import replay as replaymod
+    from diffcheck.workflows import runner
     from diffcheck.storage import store
 
     t0 = time.perf_counter()

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffcheck.errors import ConfigError
-from diffcheck.types import Run, SequenceInfo, Steps
+from diffcheck.core.errors import ConfigError
+from diffcheck.core.types import Run, SequenceInfo, Steps
 
 MODES = ("partial", "full")
 FULL_TAG = "replay-full"  # a case tagged so always gets full replays
@@ -82,7 +82,7 @@ def mode_for(case, requested: str | None = None) -> tuple[str, str]:
         return requested, "requested"
     if FULL_TAG in (getattr(case, "tags", ()) or ()):
         return "full", f"case tag {FULL_TAG}"
-    from diffcheck.faults.spec import parse_env
+    from diffcheck.cases.faults import parse_env
 
     spec = parse_env(getattr(case, "env", None) or {})
     if spec is not None and spec.info.takes_step:

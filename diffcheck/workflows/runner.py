@@ -20,18 +20,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from diffcheck import cases as casesmod
-from diffcheck import progress
+from diffcheck.core import progress
 from diffcheck.storage import store
-from diffcheck.errors import ConfigError, DataError, DiffcheckError, EngineError
-from diffcheck.pipeline.calibrate import load_floor
-from diffcheck.types import CaseVerdict, Run, Verdict
+from diffcheck.core.errors import ConfigError, DataError, DiffcheckError, EngineError
+from diffcheck.workflows.calibrate import load_floor
+from diffcheck.core.types import CaseVerdict, Run, Verdict
 
 Echo = Callable[[str], None]
 
 
 def goldens_root(root: str | Path | None = None) -> Path:
     """`root` (``--goldens``) if given, else $DIFFCHECK_GOLDENS, [tool.diffcheck] goldens, ./goldens."""
-    from diffcheck import config
+    from diffcheck.core import config
 
     return config.goldens_dir(root)
 
@@ -221,7 +221,7 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     reused from the ledger instead of run again, unless ``force`` (``force`` is about the
     ledger; the replay mode is ``replay``).
 
-    Forced replay runs only where it is needed (`diffcheck.pipeline.replay`): a sequence
+    Forced replay runs only where it is needed (`diffcheck.engines.replay`): a sequence
     whose sampled tokens equal the golden's has walked the golden's path already, and its
     forced rows are its own generate rows (reused); a sequence that diverged at t* is
     replayed from t* only, with prompt + the shared prefix as its prompt, and its rows
@@ -231,7 +231,7 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     sequence from step 0, for when the decode path at t* matters. ``meta.source`` of each
     forced run says which sequences were replayed (from which step) and which reused.
     """
-    from diffcheck.pipeline import replay as replaymod
+    from diffcheck.engines import replay as replaymod
 
     mode, why = replaymod.mode_for(case, replay)
     references = candidate_references(case, references)
@@ -257,7 +257,7 @@ def cached_candidate(case, references: list[str], goldens: dict[str, Run], *, ro
     """The ledger's identical run of `case` (same key) when its files are intact and its forced runs
     serve replay `mode`: (candidate, forced, the line that says so), else None."""
     from diffcheck.engines import registry
-    from diffcheck.pipeline import replay as replaymod
+    from diffcheck.engines import replay as replaymod
     from diffcheck.storage import ledger
 
     if registry.engine_class(case.engine.kind or "vllm").code_identity(dataclasses.asdict(case.engine)) is None:
@@ -285,7 +285,7 @@ def generate_candidate(case, references: list[str], goldens: dict[str, Run], *, 
                        verbose: bool = False, echo: Echo = print) -> tuple[Run, dict[str, Run]]:
     """The engine half of `run_candidate`: one engine start, generate, force along each golden.
     Writes nothing (a Ray task runs it on a worker; the driver stores what it returns)."""
-    from diffcheck.pipeline import replay as replaymod
+    from diffcheck.engines import replay as replaymod
 
     with open_engine(case, verbose=verbose) as engine:
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")

@@ -20,7 +20,7 @@ Longer than 400 lines because the matrix's order (goldens, candidates), its inte
 
 ``--from-outcomes FILE`` does steps 4-5 from recorded outcomes instead
 (`diffcheck.cases.outcomes`): no engine. ``--ray`` runs the engine work of steps
-1-2 as Ray tasks (`diffcheck.pipeline.matrix_ray`); the driver alone writes.
+1-2 as Ray tasks (`diffcheck.workflows.matrix_ray`); the driver alone writes.
 
 Cases tagged ``slow`` or ``gpu`` are left out unless named.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from diffcheck.errors import DiffcheckError
-from diffcheck.types import CaseVerdict, Run, Verdict
+from diffcheck.core.errors import DiffcheckError
+from diffcheck.core.types import CaseVerdict, Run, Verdict
 
 Echo = Callable[[str], None]
 EXCLUDED_TAGS = ("slow", "gpu")
@@ -119,7 +119,7 @@ def run_matrix(suite, ids=(), *, root: Path, echo: Echo = print, force: bool = F
     led = ledgermod.Ledger.open(root)
     before = len(led.entries())
     if ray is not None:
-        from diffcheck.pipeline import matrix_ray
+        from diffcheck.workflows import matrix_ray
 
         comparisons, golden_errors = matrix_ray.run(suite, p, root=root, address=ray, echo=echo, force=force,
                                                     verbose=verbose, cpus_per_rank=cpus_per_rank)
@@ -237,8 +237,8 @@ def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verb
 
 
 def _steps(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool, interrupt: _Interrupt):
-    from diffcheck.errors import EngineError
-    from diffcheck.pipeline import runner
+    from diffcheck.core.errors import EngineError
+    from diffcheck.workflows import runner
 
     n, k = p.steps, 0
     golden_errors: dict[str, str] = {}
@@ -274,7 +274,7 @@ def _steps(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool
 def error_comparison(case, message: str):
     """A comparison that never ran: ERROR against every reference, never a verdict."""
     from diffcheck.judging import classify
-    from diffcheck.pipeline import runner
+    from diffcheck.workflows import runner
 
     verdicts = tuple(classify.error_verdict(case.id, r, message) for r in case.references)
     return runner.Comparison(verdicts=verdicts, candidate=None, goldens={})
@@ -314,7 +314,7 @@ def collect(suite, p: Plan, comparisons: dict, golden_errors: dict[str, str], *,
             baseline: str | None = None) -> MatrixResult:
     """The rows, outcomes and narrowing of a finished matrix (no engine)."""
     from diffcheck import cases as casesmod
-    from diffcheck.judging.policy import fails
+    from diffcheck.core.types import fails
     from diffcheck.storage import store
 
     result = MatrixResult(suite=suite, comparisons=comparisons, left_out=p.left_out)

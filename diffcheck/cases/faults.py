@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from diffcheck.errors import ConfigError
+from diffcheck.core.errors import ConfigError
 
 ENV_FAULT = "DIFFCHECK_FAULT"
 ENV_STEP = "DIFFCHECK_FAULT_STEP"

@@ -1,0 +1,1 @@
+"""The bottom layer: runs, verdicts and the pass/fail policy, errors, progress, project configuration."""
