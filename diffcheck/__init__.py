@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from diffcheck.core import __version__  # noqa: E402,F401 (one place: diffcheck.core)
 
 # name -> the module that defines it
 _LAZY = {

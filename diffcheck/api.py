@@ -182,7 +182,7 @@ def run_from_vllm(outputs: Any, *, case_id: str = "vllm", suite: str = "", role:
     import datetime
     import sys
 
-    from diffcheck import __version__
+    from diffcheck.core import __version__
     from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs  # the offline engine's own conversion
     from diffcheck.core.types import Run, RunMeta, SequenceInfo
 

@@ -204,7 +204,7 @@ def _check_engine(engine: EngineConfig, env: dict[str, str], err, where: str) ->
     """The merged engine table (and env) against its kind's static rules (`diffcheck.engines.registry`)."""
     import dataclasses
 
-    from diffcheck.engines import registry
+    from diffcheck.cases import engine_kinds as registry
 
     reason = registry.check_config(dataclasses.asdict(engine), env)
     if reason:

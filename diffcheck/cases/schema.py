@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diffcheck.core.errors import ConfigError
-from diffcheck.engines import registry
+from diffcheck.cases import engine_kinds as registry
 from diffcheck.core.types import ROLES, Verdict
 
 DEFAULT_SUITE = "default"

@@ -95,7 +95,7 @@ def run_meta(engine, kind: str, source: dict | None = None):
     import dataclasses
     import datetime
 
-    from diffcheck import __version__
+    from diffcheck.core import __version__
     from diffcheck.core.types import RunMeta
 
     case = engine.case

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffcheck import __version__
+from diffcheck.core import __version__
 from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, hardware
 from diffcheck.engines.registry import register_engine
