@@ -18,14 +18,8 @@ from diffcheck.report import (
     printable,
     worst_sequence,
 )
-from diffcheck.report.html import (
-    DIVERGENCE_COLOUR,
-    NLL_CANDIDATE_COLOUR,
-    NLL_REFERENCE_COLOUR,
-    plot_svg,
-    render_html,
-    write_html,
-)
+from diffcheck.report.html import render_html, write_html
+from diffcheck.report.plot import DIVERGENCE_COLOUR, NLL_CANDIDATE_COLOUR, NLL_REFERENCE_COLOUR, plot_svg
 from diffcheck.report.json_report import VERSION, write_json
 from diffcheck.report.junit import write_junit
 from diffcheck.report.terminal import make_console, render_divergence, render_table

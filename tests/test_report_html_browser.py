@@ -16,7 +16,8 @@ import pytest
 from PIL import Image
 
 from diffcheck.report import ReportInput
-from diffcheck.report.html import DIVERGENCE_COLOUR, NLL_CANDIDATE_COLOUR, ONSET_COLOUR, write_html
+from diffcheck.report.html import write_html
+from diffcheck.report.plot import DIVERGENCE_COLOUR, NLL_CANDIDATE_COLOUR, ONSET_COLOUR
 from diffcheck.core.types import CaseVerdict, SequenceVerdict, Verdict
 
 INSTALL = "apt-get update && apt-get install -y chromium"

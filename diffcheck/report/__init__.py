@@ -21,6 +21,11 @@ The input of the renderers that need texts is `ReportInput`:
 The renderers live in submodules and load lazily (`rich` only when the terminal
 table is used): `render_table` / `render_divergence` (terminal), `write_json`,
 `write_junit`, `write_html`. Shared pieces used by several of them live here.
+
+What a command writes goes through the registry (`diffcheck.report.registry`):
+`write_outputs({format: path or "-"}, result)` renders a result
+(`diffcheck.report.results`: a comparison, a check, a matrix, a self-test, a
+kernel check) in each requested format and writes each file atomically.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
+from html import escape as _escape  # not `import html`: the submodule report.html would shadow it
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -47,6 +53,10 @@ _LAZY = {
     "render_html": "diffcheck.report.html",
     "render_speed": "diffcheck.report.terminal",
     "speed_summary": "diffcheck.report.speed",
+    "FORMATS": "diffcheck.report.registry",
+    "check_outputs": "diffcheck.report.registry",
+    "write_outputs": "diffcheck.report.registry",
+    "report_input": "diffcheck.report.results",
 }
 
 __all__ = [
@@ -55,6 +65,7 @@ __all__ = [
     "TextKey",
     "atomic_write_text",
     "case_baselines",
+    "escape_html",
     "config_delta_lines",
     "worst_sequence",
     "printable",
@@ -218,6 +229,11 @@ def printable(text: str) -> str:
     Also replaces what no UTF-8 XML/HTML file can hold with U+FFFD.
     """
     return _UNENCODABLE.sub("\ufffd", str(text).translate(_CONTROL_MAP))
+
+
+def escape_html(value: Any) -> str:
+    """``value`` as HTML/SVG text: `printable`, then escaped (quotes too, for attributes)."""
+    return _escape(printable(value), quote=True)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
