@@ -56,5 +56,7 @@ def test_ray_addresses(value, ok):
 
 
 def test_delta_text_reads_like_the_case_language():
-    assert mx.delta_text({"engine.enforce_eager": (True, False), "engine.max_num_seqs": (None, 1),
-                          "env.X": ("a", None)}) == "enforce_eager=false, max_num_seqs=1, env.X=default"
+    from diffcheck.report.matrix import delta_text
+
+    assert delta_text({"engine.enforce_eager": (True, False), "engine.max_num_seqs": (None, 1),
+                      "env.X": ("a", None)}) == "enforce_eager=false, max_num_seqs=1, env.X=default"

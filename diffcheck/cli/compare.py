@@ -4,33 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.cli.common import goldens_option, suite_option
-
-
-def report_input(comparison, suite, case_id, meta, speed=None):
-    """Token strings of both sides for the HTML report (tokenizer when available), and the runs' speed."""
-    from diffcheck import cases
-    from diffcheck.workflows import runner
-    from diffcheck.report import ReportInput, SequenceTexts
-
-    texts = {}
-    cand = comparison.candidate
-    if cand is not None:
-        tok = runner.load_tokenizer(cases.get_case(suite, case_id))
-        for v in comparison.verdicts:
-            gold = comparison.goldens[v.reference_id]
-            for s in v.sequences:
-                if tok is None:
-                    texts[(v.candidate_id, v.reference_id, s.index)] = SequenceTexts.from_texts(
-                        gold.sequences[s.index].text, cand.sequences[s.index].text)
-                else:
-                    texts[(v.candidate_id, v.reference_id, s.index)] = SequenceTexts(
-                        _decoded(tok, gold, s.index), _decoded(tok, cand, s.index))
-    return ReportInput(verdicts=comparison.verdicts, texts=texts, meta=meta, speed=speed)
-
-
-def _decoded(tok, run, index):
-    return tuple(tok.decode([t]) for t in run.sequence(index).token_id.tolist())
+from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
 @click.command(name="compare")
@@ -39,9 +13,9 @@ def _decoded(tok, run, index):
 @goldens_option
 @click.option("--run", "run_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Judge a recorded run instead of running the engine (offline; forced/scored files beside it are used).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write a JSON report.")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="Write a JUnit XML report.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write a self-contained HTML report.")
+@output_option("--json", help="Write a JSON report.")
+@output_option("--junit", help="Write a JUnit XML report.")
+@output_option("--html", help="Write a self-contained HTML report.")
 @click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost inside its budget) fails (exit 1) too.")
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
 @click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
@@ -75,13 +49,16 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     from pathlib import Path
 
     from diffcheck import api, cases
+    from diffcheck.cli.common import echo_for, outputs, write_reports
     from diffcheck.core import progress
     from diffcheck.storage import ledger, store
     from diffcheck.workflows import runner
     from diffcheck.core.errors import DiffcheckError
-    from diffcheck.report import (render_divergence, render_speed, render_table, speed_summary, worst_sequence,
-                                  write_html, write_json, write_junit)
+    from diffcheck.report import report_input, speed_summary
+    from diffcheck.report.results import ComparisonReport
 
+    requested = outputs("comparison", json=json_path, junit=junit_path, html=html_path)
+    echo = echo_for(requested)
     try:
         s = cases.load_suite(suite)
         root = runner.goldens_root(goldens)
@@ -95,33 +72,22 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
             exc.exit_code = 125
         raise
     for line in comparison.reused:
-        click.echo(line)
+        echo(line)
     meta = {"suite": s.name, "candidate": case_id, "references": [v.reference_id for v in comparison.verdicts],
             "command": "diffcheck compare " + case_id + (f" --run {run_file}" if run_file else "")}
     if comparison.candidate is not None:
         meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
         meta["hardware"] = comparison.candidate.meta.hardware
     speed = speed_summary(comparison.candidate, comparison.goldens, comparison.forced)
-    texts = report_input(comparison, s, case_id, meta, speed)
-    out = render_table(comparison.verdicts)
-    for v in comparison.verdicts:
-        if v.verdict.name not in ("IDENTICAL",) and v.sequences:
-            render_divergence(v, texts.texts_for(v, worst_sequence(v)), console=out)
-    render_speed(speed, console=out)
+    tokenizer = runner.load_tokenizer(cases.get_case(s, case_id)) if comparison.candidate is not None else None
+    notes = ()
     if comparison.candidate is not None:
         digest = store.output_digest(comparison.candidate)
         same = ledger.Ledger.open(root).same_output(digest, exclude_case=case_id)
         if same:
-            click.echo(f"same output as {', '.join(sorted(same))} (output digest {digest[:12]})")
-    if json_path:
-        write_json(json_path, comparison.verdicts, meta, speed=speed)
-    if junit_path:
-        write_junit(junit_path, comparison.verdicts, strict=strict)
-    if html_path:
-        write_html(html_path, texts)
-    for p in (json_path, junit_path, html_path):
-        if p:
-            click.echo(f"wrote {p}")
+            notes = (f"same output as {', '.join(sorted(same))} (output digest {digest[:12]})",)
+    write_reports(requested, ComparisonReport(report_input(comparison, meta, speed, tokenizer=tokenizer),
+                                              strict=strict, notes=notes))
     from diffcheck.core.types import exit_code
 
     return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes)

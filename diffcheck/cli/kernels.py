@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from diffcheck.cli.common import output_option
 from diffcheck.core.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
 
 
@@ -31,8 +32,7 @@ from diffcheck.core.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
               help="Case grid; quick is the CI-sized one.")
 @click.option("--kernels", "kernel_names", default="", metavar="NAMES",
               help="Comma-separated subset: torch-sdpa, vllm-cpu-attn, triton-paged, vllm-triton-unified, vllm-fa3.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write this run's results as JSON.")
+@output_option("--json", help="Also write this run's results as JSON.")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Judge and store results from `python -m kernels --json` instead of running.")
 @click.option("--all-rows", is_flag=True, help="Print every case, not the per-group summary.")
@@ -43,19 +43,22 @@ def kernels(device, out_dir, update, suite_name, kernel_names, json_path, from_j
     \b
     Re-record the stored results:  diffcheck kernels --device DEVICE --update
     """
-    from rich.console import Console
-
     from diffcheck_kernels import results as res
 
-    console = Console(width=None if Console().is_terminal else 160)
+    from diffcheck.cli.common import outputs, write_reports
+    from diffcheck.report.registry import stdout_taken
+    from diffcheck.report.results import KernelsReport
+    from diffcheck.report.terminal import make_console
+
+    requested = outputs("kernels", json=json_path)
     if from_json is not None:
         result = res.read_json(from_json)
         if device is not None and device != result.device:
             raise ConfigError(f"--device {device} contradicts {from_json}: field 'device' is {result.device!r}")
     else:
-        result = _run(device or "cpu", suite_name, kernel_names, console)
-    if json_path is not None:
-        res.write_json(result, json_path)
+        result = _run(device or "cpu", suite_name, kernel_names, make_console(stderr=stdout_taken(requested)))
+    # This run's results first: a bad stored file (read below) must not lose them.
+    write_reports(requested, KernelsReport(result), only=[name for name in requested if name != "terminal"])
 
     stored_path = out_dir / f"{result.device}.parquet"
     comparison = None
@@ -79,13 +82,9 @@ def kernels(device, out_dir, update, suite_name, kernel_names, json_path, from_j
         messages.append(f"no stored results at {stored_path}; record them with "
                         f"`diffcheck kernels --device {result.device} --update`")  # fmt: skip
 
-    _print(console, result, comparison, all_rows=all_rows)
-    for line in messages:
-        console.print(line, highlight=False, markup=False)
-    ok = res.overall_ok(result, comparison)
-    if comparison is not None and comparison.regressions:
-        console.print(f"to accept these numbers: diffcheck kernels --device {result.device} --update", markup=False)
-    return EXIT_PASS if ok else EXIT_REGRESSION
+    write_reports(requested, KernelsReport(result, comparison=comparison, messages=tuple(messages), all_rows=all_rows),
+                  only=["terminal"])
+    return EXIT_PASS if res.overall_ok(result, comparison) else EXIT_REGRESSION
 
 
 def _run(device: str, suite_name: str, kernel_names: str, console):
@@ -98,43 +97,3 @@ def _run(device: str, suite_name: str, kernel_names: str, console):
     except ValueError as exc:
         option = "--kernels" if "kernel" in str(exc) else "--device"
         raise ConfigError(f"{option}: {exc}") from None
-
-
-def _print(console, result, comparison, *, all_rows: bool) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from diffcheck_kernels.table import COLUMNS, summarize, verdict_line
-
-    styles = {"PASS": "green", "CAUGHT": "green", "MISSED": "bold red"}
-    env = result.env
-    title = f"decode attention on {result.device} ({env.get('device_name', '?')}, torch {env.get('torch', '?')})"
-    table = Table(title=title, title_justify="left")
-    if all_rows:
-        for col in ("case", "max err", "mean err", "invariant", "result"):
-            table.add_column(col, overflow="fold")
-        for row in result.rows:
-            style = styles.get(row.verdict, "bold red")
-            table.add_row(escape(row.case_id), f"{row.max_err:.2e}", f"{row.mean_err:.2e}", row.invariant,
-                          f"[{style}]{row.verdict}[/]")  # fmt: skip
-    else:
-        for col in COLUMNS:
-            table.add_column(col, justify="right" if "err" in col or col == "cases" else "left")
-        for row in summarize(result):
-            cells = [escape(cell) for cell in row.cells()]
-            style = styles.get(row.result, "bold red")
-            cells[-1] = f"[{style}]{cells[-1]}[/]"
-            table.add_row(*cells)
-    console.print(table)
-    for row in summarize(result):
-        if row.detail and (not row.ok or row.mode.startswith("graph[")):
-            console.print(f"  {row.kernel} {row.mode}: {row.detail}", highlight=False, markup=False)
-    for skipped in result.skipped:
-        console.print(f"  skipped {skipped.kernel}: {skipped.reason}", highlight=False, markup=False)
-    for note in result.notes:
-        console.print(f"  note: {note}", highlight=False, markup=False)
-    if comparison is not None:
-        for regression in comparison.regressions:
-            console.print(f"  REGRESSION {regression}", style="bold red", highlight=False, markup=False)
-    line = verdict_line(result, comparison)
-    console.print(line, style="green" if line.startswith("OK") else "bold red", highlight=False, markup=False)

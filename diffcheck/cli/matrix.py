@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.cli.common import goldens_option, suite_option
-
-
-def _print_table(result) -> None:
-    from rich.table import Table
-
-    from diffcheck.workflows import matrix as mx
-    from diffcheck.report.terminal import make_console
-
-    table = Table(*mx.COLUMNS, title=f"matrix: suite {result.suite.name}")
-    for row in mx.table_rows(result):
-        table.add_row(*row)
-    out = make_console()
-    out.print(table)
-    for r in result.rows:
-        if r.note:
-            out.print(f"{r.case_id}: {r.note}", markup=False, highlight=False)
+from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
 @click.command(name="matrix")
 @click.argument("case_ids", nargs=-1)
 @suite_option
 @goldens_option
-@click.option("--md", "md_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the table, the narrowing and the next cases as Markdown.")
-@click.option("--json", "json_dir", type=click.Path(file_okay=False), default=None,
-              help="Write each compared case's JSON report into this folder (<ID>.json).")
-@click.option("--junit", "junit_dir", type=click.Path(file_okay=False), default=None,
-              help="Write each compared case's JUnit XML into this folder (<ID>.xml).")
-@click.option("--html", "html_dir", type=click.Path(file_okay=False), default=None,
-              help="Write each compared case's HTML report into this folder (<ID>.html).")
+@output_option("--md", help="Write the table, the narrowing and the next cases as Markdown.")
+@output_option("--json", help="Write the table, the narrowing and each compared case's report as one JSON document.")
+@output_option("--junit", help="Write every comparison's verdicts as one JUnit XML file.")
+@output_option("--html", help="Write every comparison as one self-contained HTML report.")
 @click.option("--from-outcomes", "outcomes_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Narrow recorded outcomes (one line per case id) instead of running anything.")
 @click.option("--baseline", default=None, metavar="ID",
@@ -47,7 +27,7 @@ def _print_table(result) -> None:
 @click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as bad too.")
 @click.option("--force", is_flag=True, help="Run every candidate again even when the ledger holds an identical run.")
 @click.pass_context
-def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir, outcomes_path, baseline,
+def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_path, outcomes_path, baseline,
            ray_address, cpus_per_rank, strict, force):
     """Run a suite's matrix: goldens first, then every candidate against its references.
 
@@ -68,16 +48,19 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir
       diffcheck matrix --from-outcomes cases/outcomes/flash-v100-quality.toml --suite flash-v100-quality
     """
     import time
-    from pathlib import Path
 
     from rich.console import Console
 
     from diffcheck import cases
+    from diffcheck.cli.common import echo_for, outputs, write_reports
     from diffcheck.core.errors import ConfigError
     from diffcheck.workflows import matrix as mx
     from diffcheck.workflows import runner
-    from diffcheck.report import atomic_write_text
+    from diffcheck.report.results import MatrixReport
 
+    requested = outputs("outcomes" if outcomes_path else "matrix", markdown=md_path, json=json_path,
+                        junit=junit_path, html=html_path)
+    say = echo_for(requested)
     s = cases.load_suite(suite)
     if baseline is not None:
         cases.get_case(s, baseline)
@@ -98,23 +81,11 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_dir, junit_dir, html_dir
             result = mx.run_matrix(s, case_ids, root=root, echo=echo, force=force,
                                    verbose=ctx.obj.get("verbose", False), strict=strict, baseline=baseline,
                                    ray=address, cpus_per_rank=cpus_per_rank)
-        click.echo(f"matrix: {len(result.comparisons)} comparisons, {result.engine_runs} engine runs recorded in the "
-                   f"ledger, {time.perf_counter() - t0:.0f}s"
-                   + (f"; left out (slow/gpu, name them to run): {', '.join(result.left_out)}" if result.left_out else ""))
-    _print_table(result)
-    for line in result.narrowing.lines(skipped=result.left_out if outcomes_path else ()):
-        click.echo(line)
-    if result.narrowing.next_cases:
-        click.echo("")
-        click.echo(result.narrowing.toml().rstrip())
-    if md_path:
-        atomic_write_text(md_path, mx.markdown(result))
-        click.echo(f"wrote {md_path}")
-    if not outcomes_path:
-        for p in mx.write_reports(result, json_dir=json_dir, junit_dir=junit_dir, html_dir=html_dir, strict=strict):
-            click.echo(f"wrote {p}")
-    elif json_dir or junit_dir or html_dir:
-        raise ConfigError("--json/--junit/--html need verdicts: not available with --from-outcomes (use --md)")
+        say(f"matrix: {len(result.comparisons)} comparisons, {result.engine_runs} engine runs recorded in the "
+            f"ledger, {time.perf_counter() - t0:.0f}s"
+            + (f"; left out (slow/gpu, name them to run): {', '.join(result.left_out)}" if result.left_out else ""))
+    write_reports(requested, MatrixReport(result, strict=strict, from_outcomes=bool(outcomes_path),
+                                          tokenizer_for=lambda cid: runner.load_tokenizer(cases.get_case(s, cid))))
     if outcomes_path:
         return 0
     from diffcheck.core.types import exit_code

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from diffcheck.cli.common import goldens_option, suite_option
+from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
 @click.command(name="selftest")
@@ -12,7 +12,7 @@ from diffcheck.cli.common import goldens_option, suite_option
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these labelled cases (repeatable).")
 @click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as flagged too.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write outcomes as JSON.")
+@output_option("--json", help="Write outcomes as JSON.")
 @click.pass_context
 def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     """Judge every labelled case (expect = ... in the case file); exit 1 if any expectation fails.
@@ -20,17 +20,16 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     Missing reference goldens are recorded first. Cases tagged slow or gpu are left
     out unless named with --case.
     """
-    import json
     import time
 
-    from rich.table import Table
-
     from diffcheck import cases
+    from diffcheck.cli.common import outputs, write_reports
     from diffcheck.core import progress
     from diffcheck.workflows import runner, selftest as st
     from diffcheck.storage import store
-    from diffcheck.report.terminal import make_console
+    from diffcheck.report.results import SelftestReport
 
+    requested = outputs("selftest", json=json_path)
     s = cases.load_suite(suite)
     root = runner.goldens_root(goldens)
     chosen = st.labelled_cases(s, include=set(case_ids) or None)
@@ -59,27 +58,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
                 outcomes.append(st.outcome(case, v, strict=strict))
         shown.stage(None)
         shown.activity("selftest: shutting the reference engines down")
-    table = Table("case", "vs", "expected", "verdict", "onset", "onset err", "diffcheck", "exact match",
-                  "logprobs close", "ok", title=f"selftest: suite {s.name}")
-    word = {True: "flag", False: "pass"}
-    for o in outcomes:
-        table.add_row(o.case_id, o.reference_id, o.expected, o.verdict.name, "" if o.onset is None else str(o.onset),
-                      "" if o.onset_error is None else str(o.onset_error), word[o.flagged["diffcheck"]],
-                      word[o.flagged["exact_match"]], word[o.flagged["check_logprobs_close"]],
-                      "[green]yes[/]" if o.passed else "[red]NO[/]")
-    out = make_console()
-    out.print(table)
-    conf = st.confusion(outcomes)
-    ctable = Table("detector", *(f"flagged: {c}s" if c != "benign" else "flagged: benign variants" for c in st.CLASSES),
-                   title="what each rule calls broken (faults should be flagged; precision and benign variants not)")
-    for d, row in conf.items():
-        ctable.add_row(d, *(row[c] for c in st.CLASSES))
-    out.print(ctable)
     failed = [o for o in outcomes if not o.passed]
-    out.print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed  ({time.perf_counter() - t0:.0f}s)")
-    if json_path:
-        from diffcheck.report import atomic_write_text
-
-        data = [{**o.__dict__, "verdict": o.verdict.name} for o in outcomes]
-        atomic_write_text(json_path, json.dumps({"outcomes": data, "confusion": conf}, indent=1) + "\n")
+    write_reports(requested, SelftestReport(suite=s.name, outcomes=tuple(outcomes), confusion=st.confusion(outcomes),
+                                            classes=st.CLASSES, seconds=time.perf_counter() - t0))
     return 1 if failed else 0

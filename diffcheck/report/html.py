@@ -287,3 +287,8 @@ def render_html(report: ReportInput | Iterable[CaseVerdict]) -> str:
 def write_html(path: str | os.PathLike, report: ReportInput | Iterable[CaseVerdict]) -> Path:
     """Write the self-contained HTML report atomically; returns the path."""
     return atomic_write_text(path, render_html(report))
+
+
+def render_report(result) -> str:
+    """The registry's renderer: the page of any result that has verdicts (its ``report_input()``)."""
+    return render_html(result.report_input())

@@ -94,7 +94,8 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _config_delta(delta: Mapping[str, Any]) -> dict[str, Any]:
+def config_delta_dict(delta: Mapping[str, Any]) -> dict[str, Any]:
+    """``{path: {"reference": value, "candidate": value}}`` of a config delta, as JSON values."""
     out = {}
     for path, value in delta.items():
         if isinstance(value, (tuple, list)) and len(value) == 2:
@@ -130,7 +131,7 @@ def case_dict(case: CaseVerdict, *, include_series: bool = True) -> dict[str, An
         "verdict": case.verdict.name,
         "error": case.error,
         "summary": to_jsonable(case.summary),
-        "config_delta": _config_delta(case.config_delta),
+        "config_delta": config_delta_dict(case.config_delta),
         "baselines": case_baselines(case),
         "sequences": [sequence_dict(s, include_series=include_series) for s in case.sequences],
     }
@@ -173,6 +174,16 @@ def write_json(
     """
     report = report_dict(verdicts, meta, include_series=include_series, speed=speed)
     return atomic_write_text(path, dumps(report, indent=indent) + "\n")
+
+
+def render_json(result) -> str:
+    """The registry's renderer for results with verdicts (a comparison, a check): what `write_json` writes."""
+    return dumps(report_dict(result.verdicts, result.meta, speed=result.speed)) + "\n"
+
+
+def render_data(result) -> str:
+    """The registry's renderer for plain data (`diffcheck.report.results.DataReport`)."""
+    return json.dumps(result.data, indent=2, default=str) + "\n"
 
 
 def dumps(report: dict[str, Any], *, indent: int | None = 1) -> str:

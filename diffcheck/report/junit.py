@@ -118,7 +118,17 @@ def write_junit(
     name: str = "diffcheck",
 ) -> Path:
     """Write the JUnit XML atomically; returns the path."""
+    return atomic_write_text(path, junit_text(verdicts, strict=strict, name=name))
+
+
+def junit_text(verdicts: Iterable[CaseVerdict], *, strict: bool = False, name: str = "diffcheck") -> str:
+    """The JUnit XML document, declaration included."""
     tree = junit_tree(verdicts, strict=strict, name=name)
     ET.indent(tree, space=" ")
     text = ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=False)
-    return atomic_write_text(path, '<?xml version="1.0" encoding="UTF-8"?>\n' + text + "\n")
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + text + "\n"
+
+
+def render_junit(result) -> str:
+    """The registry's renderer: any result with verdicts (``verdicts``, ``strict``, ``junit_name``)."""
+    return junit_text(result.verdicts, strict=result.strict, name=result.junit_name)

@@ -1,7 +1,8 @@
 """The terminal report: a rich table per case, and a close-up of one divergence.
 
 Knows how to print verdicts for a human reading a terminal or a CI log; judges
-nothing. Works on a plain non-tty console (no escape codes are written when the
+nothing. `render_comparison` and `render_check` are the registry's renderers of
+``diffcheck compare`` and ``diffcheck check``. Works on a plain non-tty console (no escape codes are written when the
 output is not a terminal) and honours ``NO_COLOR`` (rich reads it). When this
 module makes the console itself and the output is not a terminal, it uses a
 wide fixed width (`CI_WIDTH`, or ``$COLUMNS``) so CI logs do not wrap the table.
@@ -227,6 +228,50 @@ def _print_text_window(console: Console, sequence: SequenceVerdict, texts: Seque
         line.append("…")
         # One line per side even in narrow logs: crop rather than wrap.
         console.print(line, no_wrap=True, overflow="ellipsis")
+
+
+def plain_line(console: Console, line: str) -> None:
+    """``line`` as it is, unwrapped and unstyled (what ``click.echo`` would print), on the console's stream."""
+    console.file.write(line + "\n")
+    console.file.flush()
+
+
+def render_comparison(result, console: Console) -> None:
+    """The registry's renderer for ``diffcheck compare``: the tables, each divergence, speed, then the notes."""
+    report = result.report
+    render_table(report.verdicts, console)
+    for case in report.verdicts:
+        if case.verdict is not Verdict.IDENTICAL and case.sequences:
+            render_divergence(case, report.texts_for(case, worst_sequence(case)), console=console)
+    render_speed(report.speed, console=console)
+    for line in result.notes:
+        plain_line(console, line)
+
+
+def render_check(result, console: Console) -> None:
+    """The registry's renderer for ``diffcheck check``: the tables, what was left out, the goldens' moves, the sum."""
+    render_table(result.verdicts, console)
+    for case_id, why in result.skipped:
+        plain_line(console, f"left out: {case_id}: {why}")
+    if result.goldens:
+        plain_line(console, f"goldens of suite {result.suite} (each reference re-run with today's engine against "
+                            "its golden):")
+        for move in result.goldens:
+            plain_line(console, f"  {move.case_id:<6} {move.verdict.name:<13} {move.describe(result.suite_option)}")
+        moved = [m for m in result.goldens if m.moved]
+        if moved:
+            benign = [m.case_id for m in moved if m.benign]
+            bad = [m.case_id for m in moved if not m.benign]
+            plain_line(console, f"moved: {', '.join(m.case_id for m in moved)}"
+                                + (f"; benign: {', '.join(benign)}" if benign else "")
+                                + (f"; NOT benign: {', '.join(bad)}" if bad else ""))
+            if benign and not bad:
+                plain_line(console, f"to accept the new engine's goldens: diffcheck golden record {' '.join(benign)} "
+                                    f"--update --suite {result.suite_option}")
+        else:
+            plain_line(console, "no golden moved")
+    plain_line(console, f"check: {len(result.verdicts)} comparisons, worst {result.verdict.name}, "
+                        f"exit {result.exit_code}")
 
 
 def print_meta(meta: Mapping[str, Any], console: Console | None = None) -> Console:

@@ -422,77 +422,7 @@ def from_outcomes(suite, path: str | Path) -> MatrixResult:
     return result
 
 
-# -- rendering --------------------------------------------------------------------------------------
-
-
-def delta_text(delta: dict[str, Any]) -> str:
-    """``key=candidate value`` per changed path, ``engine.`` dropped (the reference is its own column)."""
-    parts = []
-    for path, value in sorted(delta.items()):
-        cand = value[1] if isinstance(value, (tuple, list)) and len(value) == 2 else value
-        short = path[len("engine."):] if path.startswith("engine.") else path
-        text = "default" if cand is None else ("true" if cand is True else "false" if cand is False else cand)
-        parts.append(f"{short}={text}")
-    return ", ".join(parts)
-
-
-def _num(value: Any, fmt: str) -> str:
-    return "" if value is None else fmt.format(value)
-
-
-COLUMNS = ("case", "vs", "config delta", "verdict", "onset", "tok/s", *METRIC_COLUMNS, "same output as")
-
-
-def table_rows(result: MatrixResult) -> list[list[str]]:
-    out = []
-    for r in result.rows:
-        m = r.metrics
-        out.append([r.case_id, r.reference_id or "", delta_text(r.delta), r.verdict, _num(r.onset, "{}"),
-                    _num(r.tokens_per_s, "{:.1f}"), _num(m.get("digit_ratio"), "{:.4f}"),
-                    _num(m.get("weird_runs"), "{}"), _num(m.get("repeated_num_runs"), "{}"),
-                    _num(m.get("max_digit_run"), "{}"), ", ".join(r.same_as)])
-    return out
-
-
-def markdown(result: MatrixResult, *, title: str | None = None) -> str:
-    """The table, the narrowing and the next cases as one Markdown document."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    lines = [f"# {title or f'Matrix: suite {result.suite.name}'}", ""]
-    lines.append("| " + " | ".join(COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
-    for row in table_rows(result):
-        lines.append("| " + " | ".join(cell(c) for c in row) + " |")
-    notes = [r for r in result.rows if r.note]
-    if notes:
-        lines += ["", "Notes:", ""] + [f"- {r.case_id}: {cell(r.note)}" for r in notes]
-    if result.narrowing is not None:
-        lines += ["", "## Narrowing", ""]
-        lines += [f"- {line.strip()}" if not line.startswith("  ") else f"  - {line.strip()}"
-                  for line in result.narrowing.lines(skipped=result.left_out)]
-        if result.narrowing.next_cases:
-            lines += ["", "## Next cases worth running", "", "```toml", result.narrowing.toml().rstrip(), "```"]
-    return "\n".join(lines) + "\n"
-
-
-def write_reports(result: MatrixResult, *, json_dir=None, junit_dir=None, html_dir=None, strict: bool = False,
-                  echo: Echo = print) -> list[Path]:
-    """Each compared case's JSON, JUnit and HTML report under the given folders (`diffcheck.report`)."""
-    from diffcheck.cli.compare import report_input
-    from diffcheck.report import write_html, write_json, write_junit
-
-    written = []
-    for cid, comp in result.comparisons.items():
-        meta = {"suite": result.suite.name, "candidate": cid, "references": [v.reference_id for v in comp.verdicts],
-                "command": f"diffcheck matrix --suite {result.suite.name}"}
-        if json_dir:
-            written.append(write_json(Path(json_dir) / f"{cid}.json", comp.verdicts, meta))
-        if junit_dir:
-            written.append(write_junit(Path(junit_dir) / f"{cid}.xml", comp.verdicts, strict=strict))
-        if html_dir:
-            written.append(write_html(Path(html_dir) / f"{cid}.html", report_input(comp, result.suite, cid, meta)))
-    return [Path(p) for p in written]
+# The matrix's table, Markdown, JSON, JUnit and HTML: diffcheck.report.matrix, through the report registry.
 
 
 def check_ray_address(value: str | None) -> str | None:
