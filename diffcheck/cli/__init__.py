@@ -10,7 +10,9 @@ keeps its traceback.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
 import click
 
@@ -89,6 +91,10 @@ def _globals_first(argv: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        # Started with SIGINT ignored (a shell without job control starts background jobs so): Python then
+        # raises no KeyboardInterrupt, and a Ctrl-C or kill -INT would let the run finish and exit 0.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = _globals_first(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = cli.main(args=argv, prog_name="diffcheck", standalone_mode=False)

@@ -21,6 +21,9 @@ every engine gets (`prompting`: the same chat template, the same tokenizer).
   decode path exists to replay through); the rows are that pass's distributions.
 - ``score``: the same forward pass, as a scored run.
 
+The bookkeeping of both is `Engine.force` / `Engine.score`; this module gives the two
+primitives (`HFEngine._force_rows`, `HFEngine._score_rows`).
+
 Engine keys that configure vLLM's memory or scheduler (``kv_cache_memory_gib``,
 ``max_num_seqs``, ...) do not apply and are listed in the run's engine info as
 ``not_applied``; keys that would change the numerics and cannot apply here
@@ -31,7 +34,6 @@ when the suite loads (`registry.check_config`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.metadata
 import os
 import time
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from diffcheck.engines import prompting
-from diffcheck.engines.base import Engine, run_meta
+from diffcheck.engines.base import Engine, ForcedRows, run_meta
 from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_outputs import concat
 from diffcheck.core.errors import ConfigError, EngineError
@@ -165,9 +167,6 @@ class HFEngine(Engine):
         return prompting.prompt_token_ids(self.tokenizer, self.prompts)
 
     # -- the model ---------------------------------------------------------------------------------
-    def _k(self) -> int:
-        return int(self.case.sampling.logprobs or 0)
-
     def _rows(self, logprobs, tokens: list[int], k: int) -> dict[str, np.ndarray]:
         """[n, V] float32 logprobs and the token of each row -> `Steps` columns (top-k in rank order)."""
         torch = self.torch
@@ -267,56 +266,19 @@ class HFEngine(Engine):
         skip = self.case.sampling.skip_special_tokens
         return self.tokenizer.decode(tokens, skip_special_tokens=True if skip is None else bool(skip))
 
-    def _along(self, run: Run, starts) -> tuple[list[dict], list[int], list[int | None]]:
-        """Rows of one forward pass over prompt + each sequence's tokens, from its start on."""
-        k = self._k()
-        parts, counts, from_steps = [], [], []
-        for i, seq in enumerate(run.sequences):
-            path = [int(t) for t in run.sequence(i).token_id]
-            start = starts[i]
-            if start is not None and not 0 <= int(start) <= len(path):
-                raise ValueError(f"seq {i}: start {start} is outside its {len(path)} steps")
-            rest = path[int(start):] if start is not None else []
-            from_steps.append(int(start) if rest else None)
-            if rest:
-                ids = list(seq.prompt_token_ids) + path
-                lp = self._forward_logprobs(ids, len(seq.prompt_token_ids) + int(start), len(rest))
-                parts.append(self._rows(lp, rest, k))
-            else:
-                parts.append(self._rows(None, [], k))
-            counts.append(len(rest))
-        return parts, counts, from_steps
-
-    def force(self, reference: Run, *, starts=None, progress=None) -> Run:
-        """Teacher forcing along `reference`: one forward pass per sequence (`starts` as `VllmOffline.force`)."""
-        self._require_open()
-        starts = [0] * len(reference.sequences) if starts is None else list(starts)
-        if len(starts) != len(reference.sequences):
-            raise ValueError(f"starts has {len(starts)} entries for {len(reference.sequences)} sequences")
-        t0 = time.perf_counter()
+    # -- the primitives of forced replay and scoring (the bookkeeping is `Engine.force` / `Engine.score`) --
+    def _force_rows(self, jobs, k, *, progress=None) -> list[ForcedRows]:
+        """Teacher forcing: one forward pass over each job's context + forced tokens (no decode path to replay)."""
+        rows = []
         with self._compute():
-            parts, counts, from_steps = self._along(reference, starts)
-        seqs = tuple(dataclasses.replace(seq, text=self._text([int(t) for t in p["token_id"]]) if n else "",
-                                         finish_reason="length" if n else seq.finish_reason, n_tokens=n)
-                     for seq, p, n in zip(reference.sequences, parts, counts))
-        if progress is not None:
-            progress(sum(counts), sum(counts))
-        self.timings.update(force_s=time.perf_counter() - t0, force_tokens=sum(counts))
-        source = {"reference": reference.meta.case_id, "mechanism": self.mechanism}
-        if any(s not in (0, None) for s in from_steps):
-            source["from_steps"] = from_steps
-        return Run(meta=run_meta(self, "forced", source), sequences=seqs, steps=concat(parts, self._k()))
+            for job in jobs:
+                lp = self._forward_logprobs(job.context + job.forced, len(job.context), len(job.forced))
+                rows.append(ForcedRows(steps=self._rows(lp, job.forced, k), tokens=list(job.forced),
+                                       text=self._text(job.forced), finish_reason="length"))
+        return rows
 
-    def score(self, run: Run, *, progress=None) -> Run:
-        """This model's logprob of each of `run`'s tokens: one forward pass over prompt + tokens."""
-        self._require_open()
-        t0 = time.perf_counter()
+    def _score_rows(self, jobs, k, *, progress=None) -> list[dict[str, np.ndarray]]:
+        """The same forward pass over each job's prompt + tokens."""
         with self._compute():
-            parts, counts, _ = self._along(run, [0] * len(run.sequences))
-        seqs = tuple(dataclasses.replace(seq, text=seq.text if n else "", finish_reason="scored", n_tokens=n)
-                     for seq, n in zip(run.sequences, counts))
-        if progress is not None:
-            progress(sum(counts), sum(counts))
-        self.timings.update(score_s=time.perf_counter() - t0)
-        source = {"scored_run": run.meta.case_id, "scored_kind": run.meta.kind, "scorer": self.case.id}
-        return Run(meta=run_meta(self, "scored", source), sequences=seqs, steps=concat(parts, self._k()))
+            return [self._rows(self._forward_logprobs(job.context, len(job.prompt), len(job.tokens)), job.tokens, k)
+                    for job in jobs]

@@ -9,8 +9,9 @@ vLLM resolved), `vllm_logs` (engine output to a log file, root-cause lines),
 `vllm_outputs` (logprob dicts to `Steps`); the code identity recorded in each run is
 `diffcheck.storage.identity.vllm_source_state`.
 
-Engine logs go to a log file unless ``verbose``: a failed start is reported as one
-root-cause line (exit 3) that points to the log. No tqdm: diffcheck shows its own
+Engine logs go to a log file in this process's private log directory
+(`vllm_logs.private_log_dir`, kept after the run) unless ``verbose``: a failed start is
+reported as one root-cause line (exit 3) that points to the log. No tqdm: diffcheck shows its own
 progress.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import tempfile
 import threading
 import time
 import traceback
@@ -28,17 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffcheck.core import __version__
 from diffcheck.engines import prompting
-from diffcheck.engines.base import Engine, hardware
+from diffcheck.engines.base import Engine, ForcedRows, run_meta
 from diffcheck.engines.registry import register_engine
 from diffcheck.engines.vllm_args import effective_config, engine_env, is_cpu, llm_kwargs
-from diffcheck.engines.vllm_logs import captured_output, read_log, root_cause
+from diffcheck.engines.vllm_logs import captured_output, private_log_dir, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
 from diffcheck.engines.vllm_progress import run_requests, tail_phases
-from diffcheck.core.errors import ConfigError, EngineError
+from diffcheck.core.errors import EngineError
 from diffcheck.storage.identity import vllm_source_state
-from diffcheck.core.types import Run, RunMeta, SequenceInfo
+from diffcheck.core.types import Run, SequenceInfo
 
 # How long close() waits for the threads vLLM started in this process to end after its shutdown.
 THREAD_JOIN_S = 10.0
@@ -121,13 +120,13 @@ class VllmOffline(Engine):
     """One `vllm.LLM` for one case. Use as a context manager; `close()` frees it."""
 
     name = "vllm"
+    streams_progress = True  # `vllm_progress.run_requests` reports after every engine step
 
     def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None,
                  on_phase=None):
         self._take_case(case, model, prompts, verbose, "vllm")
-        log_dir = Path(log_dir or tempfile.gettempdir())
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = None if verbose else log_dir / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log"
+        self.log_path = (None if verbose else
+                         private_log_dir(log_dir) / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log")
         self.on_phase = on_phase  # start-up phases read from the engine log (`vllm_progress.tail_phases`)
         self.llm = None
         self.timings: dict[str, float] = {}
@@ -300,17 +299,6 @@ class VllmOffline(Engine):
         by_index = {i: tuple(int(t) for t in out.outputs[0].token_ids) for i, out in zip(runs, outputs)}
         return TimedGeneration(seconds=seconds, token_ids=tuple(by_index.get(i, ()) for i in range(len(prompt_ids))))
 
-    def _meta(self, kind: str, sampling: dict, source: dict | None = None) -> RunMeta:
-        import datetime
-
-        return RunMeta(
-            suite=self.case.suite, case_id=self.case.id, role=self.case.role, kind=kind, engine=self._info,
-            model=self.model.identity(), sampling=sampling, hardware=hardware(), env=dict(self.env),
-            timings=dict(self.timings), source=source or {},
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            diffcheck_version=__version__,
-        )
-
     # -- the three capabilities -------------------------------------------------------------------
     def generate(self, *, progress=None) -> Run:
         prompt_ids = self.prompt_token_ids()
@@ -328,114 +316,42 @@ class VllmOffline(Engine):
                                      finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
         n = sum(s.n_tokens for s in seqs)
         self.timings.update(generate_s=elapsed, generate_tokens=n, tokens_per_s=n / elapsed if elapsed else 0.0)
-        return Run(meta=self._meta("generate", dataclasses.asdict(self.case.sampling)), sequences=tuple(seqs),
-                   steps=concat(steps, params.logprobs))
+        return Run(meta=run_meta(self, "generate"), sequences=tuple(seqs), steps=concat(steps, params.logprobs))
 
-    def force(self, reference: Run, *, starts: Sequence[int | None] | None = None, progress=None) -> Run:
-        """Teacher-force `reference`'s tokens through this engine's decode path.
-
-        `starts`: per sequence of `reference`, the first step to force (default: 0 for
-        every sequence, the whole path); None leaves a sequence out. A sequence started
-        at step s > 0 gets its prompt + the reference's first s tokens as the prompt (a
-        prefill; a prefix-cache hit where the engine caches prefixes) and is forced
-        along the rest: its row at step s comes from that prefill's last position, not
-        from a decode step; rows after s are decode steps again. The returned run's
-        sequence i holds steps ``starts[i]..`` only (`diffcheck.engines.replay`
-        puts the whole forced path together); ``meta.source["from_steps"]`` says where
-        each began.
-        """
+    # -- the primitives of forced replay and scoring (the bookkeeping is `Engine.force` / `Engine.score`) --
+    def _check_forcing(self) -> None:
         if self.mechanism == "none":
             raise EngineError(
                 "forced decode replay is unavailable: this vLLM runs Model Runner V2 without trace replay or custom "
                 "logits processors; set env VLLM_USE_V2_MODEL_RUNNER=0 in the case to use the V1 runner"
             )
-        k = int(self.case.sampling.logprobs)
-        if starts is None:
-            starts = [0] * len(reference.sequences)
-        if len(starts) != len(reference.sequences):
-            raise ValueError(f"starts has {len(starts)} entries for {len(reference.sequences)} sequences")
-        from_steps: list[int | None] = []
-        inputs, params, kept = [], [], []
-        for i, seq in enumerate(reference.sequences):
-            path = [int(t) for t in reference.sequence(i).token_id]
-            start = starts[i]
-            if start is not None and not 0 <= int(start) <= len(path):
-                raise ValueError(f"seq {i}: start {start} is outside its {len(path)} steps")
-            forced = path[int(start):] if start is not None else []
-            from_steps.append(int(start) if forced else None)
-            if not forced:
-                continue
-            extra = {}
+
+    def _force_rows(self, jobs, k, *, progress=None) -> list[ForcedRows]:
+        """One ``LLM.generate`` of every job, each request forced along its tokens (`forcing_mechanism`)."""
+        params = []
+        for job in jobs:
             if self.mechanism == "trace_replay":
-                extra["trace_decode_token_ids"] = forced
+                extra = {"trace_decode_token_ids": job.forced}
             else:
-                extra["extra_args"] = {"diffcheck_force": forced}
+                extra = {"extra_args": {"diffcheck_force": job.forced}}
             # ignore_eos: the forced path may contain EOS before its end; max_tokens caps it exactly.
-            params.append(self._sampling_params(max_tokens=len(forced), ignore_eos=True, min_tokens=0, stop=None,
+            params.append(self._sampling_params(max_tokens=len(job.forced), ignore_eos=True, min_tokens=0, stop=None,
                                                 logprobs=k, **extra))
-            inputs.append({"prompt_token_ids": list(seq.prompt_token_ids) + path[: int(start)]})
-            kept.append(i)
-        t0 = time.perf_counter()
-        outputs = self._run_llm(inputs, params, "forced decode replay", progress=progress,
-                                work=[p.max_tokens for p in params]) if inputs else []
-        elapsed = time.perf_counter() - t0
-        by_index = dict(zip(kept, outputs))
-        params_of = dict(zip(kept, params))
-        seqs, steps = [], []
-        for i, seq in enumerate(reference.sequences):
-            out = by_index.get(i)
-            if out is None:
-                seqs.append(dataclasses.replace(seq, text="", n_tokens=0))
-                steps.append(steps_from_logprobs([], None, k))
-                continue
+        outputs = self._run_llm([{"prompt_token_ids": job.context} for job in jobs], params, "forced decode replay",
+                                progress=progress, work=[p.max_tokens for p in params])
+        rows = []
+        for p, out in zip(params, outputs):
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
-            expected = [int(t) for t in reference.sequence(i).token_id][from_steps[i]:]
-            if tokens != expected[: len(tokens)] or len(tokens) != len(expected):
-                raise EngineError(
-                    f"forced replay did not follow the reference for case '{self.case.id}' seq {i} "
-                    f"({len(tokens)} of {len(expected)} tokens; mechanism {self.mechanism})"
-                )
-            steps.append(steps_from_logprobs(tokens, comp.logprobs, k))
-            seqs.append(SequenceInfo(prompt_id=seq.prompt_id, prompt_token_ids=seq.prompt_token_ids,
-                                     text=self._text(params_of[i], comp), finish_reason=str(comp.finish_reason),
-                                     n_tokens=len(tokens)))
-        self.timings.update(force_s=elapsed, force_tokens=sum(s.n_tokens for s in seqs))
-        source = {"reference": reference.meta.case_id, "mechanism": self.mechanism}
-        if any(s not in (0, None) for s in from_steps):
-            source["from_steps"] = from_steps
-        return Run(meta=self._meta("forced", dataclasses.asdict(self.case.sampling), source), sequences=tuple(seqs),
-                   steps=concat(steps, k))
+            rows.append(ForcedRows(steps=steps_from_logprobs(tokens, comp.logprobs, k), tokens=tokens,
+                                   text=self._text(p, comp), finish_reason=str(comp.finish_reason)))
+        return rows
 
-    def score(self, run: Run, *, progress=None) -> Run:
-        """This engine's logprob of each of `run`'s tokens, through prompt logprobs (prefill)."""
-        k = int(self.case.sampling.logprobs)
-        inputs, kept = [], []
-        for i, seq in enumerate(run.sequences):
-            tokens = [int(t) for t in run.sequence(i).token_id]
-            if tokens:
-                inputs.append({"prompt_token_ids": list(seq.prompt_token_ids) + tokens})
-                kept.append(i)
+    def _score_rows(self, jobs, k, *, progress=None) -> list[dict]:
+        """One ``LLM.generate`` of prompt + tokens per job, with prompt logprobs (max_tokens 1)."""
         params = self._sampling_params(max_tokens=1, prompt_logprobs=k, logprobs=None, seed=0)
-        t0 = time.perf_counter()
+        inputs = [{"prompt_token_ids": job.context} for job in jobs]
         outputs = self._run_llm(inputs, params, "reference scoring", progress=progress, decode=False,
-                                work=[len(i["prompt_token_ids"]) for i in inputs]) if inputs else []
-        elapsed = time.perf_counter() - t0
-        by_index = dict(zip(kept, outputs))
-        seqs, steps = [], []
-        for i, seq in enumerate(run.sequences):
-            out = by_index.get(i)
-            if out is None:
-                seqs.append(dataclasses.replace(seq, text="", finish_reason="scored", n_tokens=0))
-                steps.append(steps_from_logprobs([], None, k))
-                continue
-            tokens = [int(t) for t in run.sequence(i).token_id]
-            positions = out.prompt_logprobs[len(seq.prompt_token_ids):]
-            steps.append(steps_from_logprobs(tokens, positions, k))
-            seqs.append(SequenceInfo(prompt_id=seq.prompt_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
-                                     finish_reason="scored", n_tokens=len(tokens)))
-        self.timings.update(score_s=elapsed)
-        source = {"scored_run": run.meta.case_id, "scored_kind": run.meta.kind, "scorer": self.case.id}
-        meta = self._meta("scored", dataclasses.asdict(self.case.sampling), source)
-        return Run(meta=meta, sequences=tuple(seqs), steps=concat(steps, k))
-
+                                work=[len(i["prompt_token_ids"]) for i in inputs])
+        return [steps_from_logprobs(job.tokens, out.prompt_logprobs[len(job.prompt):], k)
+                for job, out in zip(jobs, outputs)]

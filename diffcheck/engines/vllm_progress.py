@@ -78,10 +78,8 @@ class _Tail(threading.Thread):
             phase = startup_phase(line)
             if phase is not None and phase != self.last:
                 self.last = phase
-                try:
-                    self.on_phase(phase)
-                except Exception:  # a display problem never stops the engine
-                    pass
+                # An error here ends this thread only (its traceback in the engine log), never the engine.
+                self.on_phase(phase)
 
     def run(self) -> None:
         while not self.stop.wait(POLL_S):
@@ -131,6 +129,7 @@ def run_requests(llm, inputs: list, params, *, progress: Progress | None, work: 
     # enqueue answers with internal ids ("4-b5576737"), outputs carry the external one ("4")
     index = {_external(rid): i for i, rid in enumerate(ids)}
     outputs: list = []
+    counts = True  # running requests' token counts, while this vLLM's request states have them
     finished_units = 0
     finished_slack = 0  # decode budget that requests which stopped early did not use
     while engine.has_unfinished_requests():
@@ -144,9 +143,11 @@ def run_requests(llm, inputs: list, params, *, progress: Progress | None, work: 
             finished_units += got
             finished_slack += max(0, w - got)
         running = 0
-        if decode:
-            with contextlib.suppress(Exception):  # counts for display only
+        if decode and counts:
+            try:
                 running = sum(s.detokenizer.num_output_tokens() for s in list(states.values()))
+            except AttributeError:  # a request state without the count (another vLLM): finished ones only
+                counts = False
         progress(finished_units + running, total - finished_slack)
     return sorted(outputs, key=lambda o: index.get(_external(o.request_id), _int(o.request_id)))
 

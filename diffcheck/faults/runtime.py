@@ -83,7 +83,9 @@ def tensor_parallel_rank() -> tuple[int | None, int | None]:
             return None, None
         return (int(parallel_state.get_tensor_model_parallel_rank()),
                 int(parallel_state.get_tensor_model_parallel_world_size()))
-    except Exception:  # another vLLM layout: the marker says so (None) instead of failing the engine
+    except (AttributeError, AssertionError):
+        # Another vLLM layout: a function it lacks, or its "group is not initialized" assertion.
+        # The marker says so (None) instead of failing the engine.
         return None, None
 
 
