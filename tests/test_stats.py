@@ -1,4 +1,5 @@
-"""stats: the top-K KL estimator, per-step stats, summaries, reductions, detectors.
+"""The top-K KL estimator (kl_estimator), per-step stats, summaries and reductions (stats),
+the change detectors (changepoint).
 
 The KL estimator is checked against oracles written here in plain float64 code from
 synthetic FULL-vocabulary distributions, never against the module's own formula or
@@ -13,6 +14,8 @@ import math
 import numpy as np
 import pytest
 
+from diffcheck.judging import changepoint as C
+from diffcheck.judging import kl_estimator as KL
 from diffcheck.judging import stats as S
 
 from factories import make_run
@@ -72,10 +75,10 @@ def rows():
 def test_kl_is_zero_for_identical_distributions(rows):
     _, lp = rows
     ids, lps = topk(lp)
-    assert np.all(S.topk_kl(ids, lps, ids, lps) == 0.0)  # bit-identical chunk: short cut
+    assert np.all(KL.topk_kl(ids, lps, ids, lps) == 0.0)  # bit-identical chunk: short cut
     moved = lps.copy()
     moved[::2] -= 0.01  # other rows of the chunk differ: the formula itself must give 0
-    kl = S.topk_kl(ids, lps, ids, moved)
+    kl = KL.topk_kl(ids, lps, ids, moved)
     assert np.all(kl[1::2] == 0.0) and np.all(kl[::2] > 0)
 
 
@@ -83,7 +86,7 @@ def test_kl_of_identical_distributions_in_another_order_is_zero_up_to_rounding(r
     rng, lp = rows
     ids, lps = topk(lp)
     perm = rng.permuted(np.tile(np.arange(K), (len(ids), 1)), axis=1)
-    kl = S.topk_kl(ids, lps, np.take_along_axis(ids, perm, 1), np.take_along_axis(lps, perm, 1))
+    kl = KL.topk_kl(ids, lps, np.take_along_axis(ids, perm, 1), np.take_along_axis(lps, perm, 1))
     assert np.abs(kl).max() < 1e-5
 
 
@@ -94,7 +97,7 @@ def test_kl_is_nonnegative_and_grows_with_distance(rows):
     means = []
     for scale in (0.01, 0.1, 0.5, 1.0, 2.0):
         ids_c, lc = topk(log_softmax(lp + scale * noise))
-        kl = S.topk_kl(ids_r, lr, ids_c, lc)
+        kl = KL.topk_kl(ids_r, lr, ids_c, lc)
         assert np.all(kl >= 0)
         means.append(float(kl.mean()))
     assert means == sorted(means) and means[0] < means[-1] / 100
@@ -110,7 +113,7 @@ def test_same_id_lists_give_the_merged_kl_a_lower_bound_of_the_true_kl(scale, si
     ids_c, lc = topk(cand)
     same = same_id_sets(ids_r, ids_c)
     assert same.sum() > 100  # enough rows with equal sets to say something
-    est = S.topk_kl(ids_r[same], lr[same], ids_c[same], lc[same]).astype(np.float64)
+    est = KL.topk_kl(ids_r[same], lr[same], ids_c[same], lc[same]).astype(np.float64)
     merged = coarse_kl(ref[same], cand[same], ids_r[same], ids_c[same])
     exact = true_kl(ref[same], cand[same])
     np.testing.assert_allclose(est, merged, rtol=F32_RTOL, atol=F32_ATOL)
@@ -119,7 +122,7 @@ def test_same_id_lists_give_the_merged_kl_a_lower_bound_of_the_true_kl(scale, si
 
 
 # (reference logit scale, noise sigma) -> (mean estimate / mean true KL, correlation above,
-# most any row exceeds its true KL, in nats): the table in diffcheck/judging/stats.py's docstring.
+# most any row exceeds its true KL, in nats): the table in diffcheck/judging/kl_estimator.py's docstring.
 # Each bound held on 40 samples like this one (seeds 0-39, 200,000 rows in all); 1e-5 is float32
 # rounding, i.e. "never above".
 MEASURED = {
@@ -134,7 +137,7 @@ MEASURED = {
 def test_measured_bias_on_synthetic_distributions(scale, sigma):
     (low, high), min_corr, max_over = MEASURED[scale, sigma]
     ref, cand = noisy_pairs(scale, sigma)
-    est = S.topk_kl(*topk(ref), *topk(cand)).astype(np.float64)
+    est = KL.topk_kl(*topk(ref), *topk(cand)).astype(np.float64)
     exact = true_kl(ref, cand)
     assert low <= est.mean() / exact.mean() <= high
     assert np.corrcoef(est, exact)[0, 1] > min_corr
@@ -162,7 +165,7 @@ def test_differing_lists_can_land_far_on_either_side_of_the_true_kl():
     p2[:20] = 0.9 / 20
     under_r, under_c = np.log(p2 / p2.sum()), np.log(q2 / q2.sum())
     ref, cand = np.stack([over_r, under_r]), np.stack([over_c, under_c])
-    est = S.topk_kl(*topk(ref), *topk(cand)).astype(np.float64)
+    est = KL.topk_kl(*topk(ref), *topk(cand)).astype(np.float64)
     exact = true_kl(ref, cand)
     assert est[0] > 3 * exact[0] and est[0] - exact[0] > 2  # 3.2 nats estimated, 0.78 true
     assert est[1] < exact[1] / 4
@@ -239,7 +242,7 @@ def test_estimate_equals_the_merged_kl_when_imputation_is_exact(held):
         r_rows.append(r), c_rows.append(c)
         ids_r.append(r_ids), lr.append(r_lps), ids_c.append(c_ids), lc.append(c_lps)
     ids_r, lr, ids_c, lc = map(np.stack, (ids_r, lr, ids_c, lc))
-    est = S.topk_kl(ids_r, lr, ids_c, lc)
+    est = KL.topk_kl(ids_r, lr, ids_c, lc)
     merged = coarse_kl(np.stack(r_rows), np.stack(c_rows), ids_r, ids_c)
     np.testing.assert_allclose(est, merged, rtol=F32_RTOL, atol=F32_ATOL)
     assert merged.min() > 0.01  # real differences, not a comparison of zeros
@@ -255,10 +258,10 @@ def test_missing_ids_are_handled_symmetrically():
     # min(p_K, tail / 1) = 0.1 and "other" is left empty on both sides. Over the buckets
     # {1, 2, 3, 4}: reference (.5, .3, .1, .1), candidate (.5, .1, .1, .3):
     # KL = .3 ln(.3/.1) + .1 ln(.1/.3) = 0.2 ln 3.
-    forward = S.topk_kl(ids_a, lp_r, ids_b, lp_c)[0]
+    forward = KL.topk_kl(ids_a, lp_r, ids_b, lp_c)[0]
     assert forward == pytest.approx(0.2 * math.log(3), rel=1e-5)
     # swapping which side lacks which id: same structure, mirrored numbers
-    mirrored = S.topk_kl(ids_b, lp_r, ids_a, lp_c)[0]
+    mirrored = KL.topk_kl(ids_b, lp_r, ids_a, lp_c)[0]
     assert mirrored == pytest.approx(forward, rel=1e-5)
 
 
@@ -266,7 +269,7 @@ def test_topk_kl_cuts_to_the_smaller_k(rows):
     _, lp = rows
     ids, lps = topk(lp)
     ids5, lps5 = topk(lp, 5)
-    assert np.all(S.topk_kl(ids, lps, ids5, lps5) == S.topk_kl(ids5, lps5, ids5, lps5))
+    assert np.all(KL.topk_kl(ids, lps, ids5, lps5) == KL.topk_kl(ids5, lps5, ids5, lps5))
 
 
 def steps_of(ids, lps, tokens):
@@ -287,7 +290,7 @@ def test_compare_steps_per_step_quantities(rows):
     assert st.top1.tolist() == (ids_r[:, 0] == ids_c[:, 0]).tolist()
     overlap = [len(set(a) & set(b)) / K for a, b in zip(ids_r, ids_c)]
     np.testing.assert_allclose(st.overlap, overlap)
-    np.testing.assert_array_equal(st.kl, S.topk_kl(ids_r, lr, ids_c, lc))
+    np.testing.assert_array_equal(st.kl, KL.topk_kl(ids_r, lr, ids_c, lc))
 
 
 def test_row_lists_keep_mask_and_threads_agree(rows, monkeypatch):
@@ -346,25 +349,25 @@ def test_cusum_finds_a_mean_shift_and_ignores_single_spikes():
     rng = np.random.default_rng(0)
     healthy = np.abs(rng.normal(1.5, 1.0, 100))
     healthy[[20, 50]] = 9.0  # two surprising tokens, far apart
-    assert S.cusum(healthy, baseline=1.5, drift=3.0, threshold=15.0) is None
+    assert C.cusum(healthy, baseline=1.5, drift=3.0, threshold=15.0) is None
     shifted = healthy.copy()
     shifted[60:] = rng.normal(11.0, 1.5, 40)
-    cp = S.cusum(shifted, baseline=1.5, drift=3.0, threshold=15.0)
+    cp = C.cusum(shifted, baseline=1.5, drift=3.0, threshold=15.0)
     assert cp is not None and 59 <= cp.onset <= 61 and cp.onset <= cp.alarm <= 63
 
 
 def test_cusum_step_cap_stops_a_single_outlier_from_alarming():
     x = np.full(30, 1.5)
     x[10] = 40.0  # one absurd token
-    assert S.cusum(x, baseline=1.5, drift=3.0, threshold=15.0) is not None
-    assert S.cusum(x, baseline=1.5, drift=3.0, threshold=15.0, step_cap=5.0) is None
+    assert C.cusum(x, baseline=1.5, drift=3.0, threshold=15.0) is not None
+    assert C.cusum(x, baseline=1.5, drift=3.0, threshold=15.0, step_cap=5.0) is None
     x[10:15] = 40.0  # five in a row do
-    assert S.cusum(x, baseline=1.5, drift=3.0, threshold=15.0, step_cap=5.0).onset == 10
+    assert C.cusum(x, baseline=1.5, drift=3.0, threshold=15.0, step_cap=5.0).onset == 10
 
 
 def test_cusum_onset_is_the_last_reset_before_the_alarm():
     x = np.array([0, 0, 10, 0, 0, 10, 10, 10], float)
-    cp = S.cusum(x, baseline=0, drift=1, threshold=20)
+    cp = C.cusum(x, baseline=0, drift=1, threshold=20)
     # S: 0 0 9 8 7 16 25 -> the run that alarms started at step 2 (S never returned to 0)
     assert (cp.onset, cp.alarm) == (2, 6)
 
@@ -374,8 +377,8 @@ def test_persistent_onset():
     flags[5] = True  # isolated
     flags[20:40] = True
     flags[25] = False  # a gap inside a persistent run
-    assert S.persistent_onset(flags, window=8, fraction=0.75) == 20
+    assert C.persistent_onset(flags, window=8, fraction=0.75) == 20
     last = np.zeros(40, bool)
     last[-2:] = True  # two flags at the very end: the window is cut below half
-    assert S.persistent_onset(last, window=8, fraction=0.75) is None
-    assert S.persistent_onset(np.zeros(0, bool), window=8, fraction=0.75) is None
+    assert C.persistent_onset(last, window=8, fraction=0.75) is None
+    assert C.persistent_onset(np.zeros(0, bool), window=8, fraction=0.75) is None
