@@ -1,7 +1,11 @@
-"""Narrowing (diffcheck/judging/narrow.py) and `diffcheck matrix --from-outcomes`: pure Python, no engine.
+"""Narrowing (diffcheck/judging/narrow.py, factors.py, next_cases.py) and `diffcheck matrix
+--from-outcomes`: no engine.
 
 The oracle is a brute force written here: every conjunction of the literals the bad
-cases carry, checked against every case, with none of narrow.py's search code.
+cases carry, checked against every case, with none of narrow.py's search code. The
+inputs: the seed's recorded outcomes (cases/outcomes/), small made-up factor sets, the
+default suite's labels, and the verdicts of the real H200 runs committed under
+goldens/gpu-h200/, re-judged here.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from click.testing import CliRunner
 from diffcheck import cases
 from diffcheck.cases.outcomes import load_outcomes
 from diffcheck.core.errors import ConfigError
-from diffcheck.judging import narrow
+from diffcheck.judging import factors, narrow
 from diffcheck.workflows import matrix as mx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +79,7 @@ def test_the_seed_against_a_brute_force_oracle(seed):
     suite, result = seed
     rec = load_outcomes(SEED_OUTCOMES, suite=suite)
     ids = [c for c, r in rec.ids.items() if r.outcome != "not-a-verdict"]
-    facts = narrow.case_factors({c: cases.resolved_config(suite.cases[c]) for c in ids},
+    facts = factors.case_factors({c: cases.resolved_config(suite.cases[c]) for c in ids},
                                 baseline=cases.resolved_config(suite.cases["J"]),
                                 explicit={c: rec.ids[c].factors for c in ids})
     outcomes = {c: rec.ids[c].outcome for c in ids if c != "D"}  # D: the precision change, set aside
@@ -103,7 +107,7 @@ def test_the_next_case_splits_the_open_question_and_loads_as_a_case(seed, tmp_pa
     delta = cases.config_delta(variant, loaded.cases["D"])
     assert list(delta) == [f"{new.source}.{new.name}"] and delta[f"{new.source}.{new.name}"][1] == new.value
     # predictions differ: the main cause is false in the variant, fp8 KV is still there
-    facts = narrow.case_factors({"D": cases.resolved_config(loaded.cases["D"]),
+    facts = factors.case_factors({"D": cases.resolved_config(loaded.cases["D"]),
                                  "V": cases.resolved_config(variant)},
                                 baseline=cases.resolved_config(loaded.cases["J"]))
     assert "kv_cache_dtype=fp8_e5m2" in texts(facts["V"])
@@ -129,7 +133,7 @@ def test_matrix_from_outcomes_cli(tmp_path):
 
 
 def test_several_causes_give_a_greedy_cover_that_the_oracle_confirms():
-    L = lambda k, v: narrow.Literal("engine", k, v)  # noqa: E731
+    L = lambda k, v: factors.Literal("engine", k, v)  # noqa: E731
     facts = {
         "a1": frozenset({L("x", 1), L("y", 0), L("z", 0)}), "a2": frozenset({L("x", 1), L("y", 1), L("z", 0)}),
         "b1": frozenset({L("x", 0), L("y", 0), L("z", 1)}),
@@ -147,14 +151,14 @@ def test_several_causes_give_a_greedy_cover_that_the_oracle_confirms():
 
 
 def test_equal_factors_with_opposite_outcomes_are_a_contradiction():
-    lit = narrow.Literal("engine", "x", 1)
+    lit = factors.Literal("engine", "x", 1)
     n = narrow.narrow({"H": "bad", "O": "clean"}, {"H": frozenset({lit}), "O": frozenset({lit})})
     assert n.contradictions == (("H", "O"),) and not n.causes
     assert "contradiction: bad H and clean O have the same factors" in "\n".join(n.lines())
 
 
 def test_tied_conjunctions_stand_until_a_next_case_splits_them():
-    L = lambda k, v: narrow.Literal("engine", k, v)  # noqa: E731
+    L = lambda k, v: factors.Literal("engine", k, v)  # noqa: E731
     facts = {"b": frozenset({L("x", 1), L("y", 1)}), "c": frozenset({L("x", 0), L("y", 0)})}
     n = narrow.narrow({"b": "bad", "c": "clean"}, facts)
     assert n.single and len(n.alternatives) == 1
@@ -183,56 +187,24 @@ def test_bad_outcomes_files_are_refused_in_one_line(tmp_path, line, words):
     assert "\n" not in message and message.startswith(str(path)) and words in message
 
 
-# -- the default suite's verdicts -----------------------------------------------------------------------
+# -- the default suite's labels -----------------------------------------------------------------------
 
 DEFAULT_SUITE = ROOT / "cases" / "default.toml"
-GOLDENS = ROOT / "goldens"
 
 
-def _default_outcomes(suite) -> tuple[dict[str, str], str]:
-    """Verdicts of the default suite's labelled CPU cases: re-judged from goldens/default when every
-    recorded run is there (no engine: forced and scored files included), else synthetic CaseVerdicts
-    built from each case's label."""
+def test_narrowing_the_default_suite_labels_names_each_fault():
+    """The default suite's labelled CPU cases, bad or clean by their labels (`expect.verdict`
+    through `fails`), not by verdicts: their runs are not committed and `make test` does not
+    record them (test_selftest judges the labels against real runs). What this checks is the
+    narrowing of the suite's factor structure under those outcomes."""
     from diffcheck.core.types import fails
-    from diffcheck.workflows import runner, selftest
-    from diffcheck.storage import store
-    from diffcheck.core.types import CaseVerdict, Verdict
+    from diffcheck.workflows import selftest
 
-    chosen = selftest.labelled_cases(suite)
-    folder = GOLDENS / "default"
-    needed = [store.run_path(GOLDENS, "default", c.id, kind="generate", role="candidate") for c in chosen]
-    needed += [store.run_path(GOLDENS, "default", c.id, kind="forced", reference=r) for c in chosen for r in c.references]
-    recorded = folder.is_dir() and all(p.exists() for p in needed) and all(
-        store.run_path(GOLDENS, "default", r).exists() for c in chosen for r in c.references)
-    outcomes = {}
-    if recorded:
-        for c in chosen:
-            run = store.run_path(GOLDENS, "default", c.id, kind="generate", role="candidate")
-            cand, golds = store.read_run(run), {r: store.read_run(store.run_path(GOLDENS, "default", r)) for r in c.references}
-            if any(runner._differs(golds[r], cand) and not store.run_path(GOLDENS, "default", c.id, kind="scored",
-                                                                          reference=r).exists() for r in c.references):
-                recorded = False  # judging would need the scoring engine
-                break
-    if recorded:
-        for c in chosen:
-            comp = runner.compare(suite, c.id, root=GOLDENS, run_file=store.run_path(GOLDENS, "default", c.id,
-                                                                                    kind="generate", role="candidate"),
-                                  echo=lambda _: None)
-            outcomes[c.id] = "bad" if fails(comp.verdict) else "clean"
-        return outcomes, "recorded runs in goldens/default"
-    for c in chosen:
-        verdict = c.expect.verdict or Verdict.IDENTICAL
-        v = CaseVerdict(candidate_id=c.id, reference_id=c.references[0], verdict=verdict, sequences=())
-        outcomes[c.id] = "bad" if fails(v.verdict) else "clean"
-    return outcomes, "synthetic verdicts from the labels"
-
-
-def test_narrowing_the_default_suite_names_each_fault():
     suite = cases.load_suite(DEFAULT_SUITE)
-    outcomes, source = _default_outcomes(suite)
+    outcomes = {c.id: "bad" if c.expect.verdict is not None and fails(c.expect.verdict) else "clean"
+                for c in selftest.labelled_cases(suite)}
     outcomes["J"] = "clean"  # the reference
-    print(f"default suite verdicts from {source}: {outcomes}")
-    assert {c for c, o in outcomes.items() if o == "bad"} == {"E", "H", "K", "N", "M"}
+    assert {c for c, o in outcomes.items() if o == "bad"} == {"E", "H", "K", "N", "M"}  # the labels reasoned over
     n = mx.narrow_suite(suite, outcomes)
     print("\n".join(n.lines()))
     assert not n.single  # no single conjunction: the faults differ
@@ -241,8 +213,8 @@ def test_narrowing_the_default_suite_names_each_fault():
     got = sorted((sorted(texts(c.literals)), sorted(c.cases)) for c in n.causes)
     assert got == [(["DIFFCHECK_FAULT=stale-decode-metadata"], ["H"]),
                    (["DIFFCHECK_FAULT_STEP=32", "enforce_eager=true"], ["E", "K", "M", "N"])]
-    facts = narrow.case_factors({c: cases.resolved_config(suite.cases[c]) for c in outcomes},
-                                baseline=cases.resolved_config(suite.cases["J"]))
+    facts = factors.case_factors({c: cases.resolved_config(suite.cases[c]) for c in outcomes},
+                                 baseline=cases.resolved_config(suite.cases["J"]))
     assert brute_force(outcomes, facts) == []  # the oracle agrees: no single conjunction
     for cause in n.causes:
         assert not any(frozenset(cause.literals) <= facts[c] for c, o in outcomes.items() if o == "clean")
@@ -257,3 +229,59 @@ def test_narrowing_the_default_suite_names_each_fault():
     names = any(lit.name == "DIFFCHECK_FAULT" and lit.value in ("stale-decode-metadata", "kv-write-corruption",
                                                                 "rope-offset", "lost-head") for lit in variant)
     assert cover != names
+
+
+# -- the H200 runs' verdicts ----------------------------------------------------------------------------
+
+GPU_SUITE_FILE = ROOT / "cases" / "gpu-h200.toml"
+
+
+def test_narrowing_the_recorded_h200_verdicts_finds_the_graph_fault(tmp_path):
+    """Outcomes from real verdicts: each candidate's H200 run committed under goldens/gpu-h200/ is
+    re-judged here with no engine (`api.compare_case(..., run_file=...)`, in a copy of the folder,
+    forced and scored files included) and is bad exactly when `fails`. J, the reference the
+    factors are taken against, is clean; F (a reference, recorded for J's noise floor) is left out.
+    Checked: the verdicts (only H, seq-lens-copy under a FULL decode graph, is bad; HE, the same
+    fault under eager, is clean), the conjunctions against the brute-force oracle, and the next
+    case, which loads as a case, differs from H by one toggle and is predicted bad by exactly one
+    of the two standing explanations."""
+    import shutil
+
+    from diffcheck import api
+    from diffcheck.core.types import fails
+
+    suite = cases.load_suite(GPU_SUITE_FILE)
+    copy = tmp_path / "goldens"
+    shutil.copytree(ROOT / "goldens" / suite.name, copy / suite.name)
+    candidates = sorted(c for c, case in suite.cases.items() if case.role == "candidate")
+    assert candidates == ["H", "HE", "L", "O", "OF"]
+    outcomes = {"J": "clean"}
+    for cid in candidates:
+        comparison = api.compare_case(cid, suite=suite, goldens=copy, run_file=copy / suite.name / f"{cid}.run.parquet")
+        outcomes[cid] = "bad" if fails(comparison.verdict) else "clean"
+    assert outcomes == {"J": "clean", "H": "bad", "HE": "clean", "L": "clean", "O": "clean", "OF": "clean"}
+
+    facts = factors.case_factors({c: cases.resolved_config(suite.cases[c]) for c in outcomes},
+                                 baseline=cases.resolved_config(suite.cases["J"]))
+    n = narrow.narrow(outcomes, facts)
+    print("\n".join(n.lines()))
+    assert n.single and n.causes[0].cases == ("H",)
+    standing = [n.causes[0].literals, *n.alternatives]
+    assert sorted(sorted(texts(h)) for h in standing) == sorted(sorted(texts(h)) for h in brute_force(outcomes, facts))
+    # The fault needs the graph: HE (eager) and the clean graphs (O, OF, L) rule out either alone,
+    # and this matrix cannot tell "a CUDA graph" from "not eager", which change together in it.
+    assert sorted(sorted(texts(h)) for h in standing) == [
+        ["DIFFCHECK_FAULT=seq-lens-copy", "cudagraph_mode=FULL_DECODE_ONLY"],
+        ["DIFFCHECK_FAULT=seq-lens-copy", "enforce_eager=false"]]
+    (nc,) = n.next_cases
+    (old, new), = nc.toggles
+    assert nc.base == "H" and old.name in ("cudagraph_mode", "enforce_eager")
+    variant = (facts["H"] - {old}) | {new}
+    assert sum(frozenset(h) <= variant for h in standing) == 1  # its outcome decides between the two
+    # pasted into the suite, it loads and differs from H only by that toggle
+    (tmp_path / "prompts").symlink_to(GPU_SUITE_FILE.parent / "prompts")
+    path = tmp_path / GPU_SUITE_FILE.name
+    path.write_text(GPU_SUITE_FILE.read_text() + "\n" + n.toml())
+    loaded = cases.load_suite(path)
+    delta = cases.config_delta(loaded.cases[nc.case_id], loaded.cases["H"])
+    assert list(delta) == [f"{new.source}.{new.name}"] and delta[f"{new.source}.{new.name}"][1] == new.value

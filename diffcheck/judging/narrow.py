@@ -1,18 +1,12 @@
 """Narrowing: which factors do the bad cases share that no clean case has?
 
-Longer than 400 lines because the exact search for minimal conjunctions, the greedy cover and the next-case proposals share one factor model.
-
 The seed investigation narrowed its cause by hand, reasoning over which config
 factors the bad runs shared. This module does that reasoning on verdicts.
 
 Inputs, per case: an outcome (``bad``: `policy.fails`; ``clean``: a pass; cases
 without a verdict are left out) and its **factors**, a set of `Literal`s
-``key=value``. `case_factors` builds them from resolved configs: every engine,
-env and sampling key whose value differs from the baseline's in at least one
-case gives each case a literal with that case's value (``default`` where the
-case leaves it unset), plus the case's explicit factors (``code=fixed``, a
-build; ``decode_graph=FULL``, a fact the config does not spell out), which
-replace a config literal of the same name.
+``key=value`` (`diffcheck.judging.factors`: `case_factors` builds them from
+resolved configs; it and `Literal` are importable from here too).
 
 What comes out (`narrow`):
 
@@ -32,7 +26,10 @@ What comes out (`narrow`):
   minimal conjunctions; "the precision change is a cause on its own" for a
   confounded case) are split by variants of observed bad cases that toggle one
   literal of a hypothesis; the fewest that split every pair are chosen greedily,
-  each written as a ready-to-paste TOML case.
+  each written as a ready-to-paste TOML case (`diffcheck.judging.next_cases`).
+
+This module holds the search (exact minimal conjunctions, the greedy cover) and
+its result (`Narrowing`, with its text).
 
 Pure: no engine, no files. Literal order is deterministic (sorted by text).
 """
@@ -40,94 +37,16 @@ Pure: no engine, no files. Literal order is deterministic (sorted by text).
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from diffcheck.judging.floor import SPEC_KEYS
+from diffcheck.judging.factors import (  # noqa: F401  (Literal, case_factors: importable here too)
+    DEFAULT, PRECISION_KEYS, Literal, case_factors, conjunction_text, sorted_literals,
+)
+from diffcheck.judging.next_cases import NextCase, propose
 
-DEFAULT = "default"  # the value of a key a case leaves unset (the case language's reset word)
-SOURCES = ("engine", "sampling", "env", "factor")
-PRECISION_KEYS = frozenset(SPEC_KEYS) | {"model"}
 _MAX_HYPOTHESES = 64  # minimal conjunctions kept per group
 _MAX_SUBSETS = 200_000  # subset enumeration budget per group (beyond: greedy hitting set)
-
-
-@dataclass(frozen=True, order=True)
-class Literal:
-    """``key=value``: `name` is the raw key, `source` where it lives (engine, sampling, env, factor)."""
-
-    source: str
-    name: str
-    value: Any
-
-    @property
-    def key(self) -> str:
-        """The display key: engine, env and explicit factors bare, sampling keys as ``sampling.<name>``."""
-        return f"sampling.{self.name}" if self.source == "sampling" else self.name
-
-    @property
-    def value_text(self) -> str:
-        if isinstance(self.value, bool):
-            return "true" if self.value else "false"
-        if isinstance(self.value, float) and self.value.is_integer():
-            return str(int(self.value))
-        return str(self.value)
-
-    def __str__(self) -> str:
-        return f"{self.key}={self.value_text}"
-
-    def sort_key(self) -> str:
-        return str(self)
-
-
-def _sorted(literals: Iterable[Literal]) -> tuple[Literal, ...]:
-    return tuple(sorted(literals, key=Literal.sort_key))
-
-
-def conjunction_text(literals: Iterable[Literal]) -> str:
-    lits = _sorted(literals)
-    return " ∧ ".join(str(lit) for lit in lits) if lits else "(always)"
-
-
-# -- factors ---------------------------------------------------------------------------------------
-
-
-def _flat(config: Mapping[str, Any]) -> dict[tuple[str, str], Any]:
-    out: dict[tuple[str, str], Any] = {}
-    for source in ("engine", "sampling", "env"):
-        for name, value in (config.get(source) or {}).items():
-            if isinstance(value, list):
-                value = json.dumps(value)
-            elif isinstance(value, dict):
-                value = json.dumps(value, sort_keys=True)
-            out[(source, name)] = value
-    return out
-
-
-def case_factors(configs: Mapping[str, Mapping[str, Any]], *, baseline: Mapping[str, Any],
-                 explicit: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, frozenset[Literal]]:
-    """Each case's literals: `configs` are resolved configs (`cases.resolved_config`) by case id.
-
-    Keys: every engine/sampling/env key whose value differs from `baseline`'s in at least
-    one case. Each case gets ``key=<its value>`` for each such key (``default`` when unset).
-    ``explicit[case]`` adds factors by name; one named like a config key replaces it.
-    """
-    explicit = explicit or {}
-    base = _flat(baseline)
-    flats = {cid: _flat(cfg) for cid, cfg in configs.items()}
-    keys = sorted({k for flat in flats.values() for k in set(flat) | set(base) if flat.get(k, DEFAULT) != base.get(k, DEFAULT)})
-    out = {}
-    for cid, flat in flats.items():
-        own = explicit.get(cid, {})
-        lits = {Literal(source, name, flat.get((source, name), DEFAULT)) for source, name in keys if name not in own}
-        lits |= {Literal("factor", name, value) for name, value in own.items()}
-        out[cid] = frozenset(lits)
-    return out
-
-
-# -- results ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -140,15 +59,6 @@ class Cause:
 
     def __str__(self) -> str:
         return conjunction_text(self.literals)
-
-
-@dataclass(frozen=True)
-class NextCase:
-    case_id: str
-    base: str
-    toggles: tuple[tuple[Literal, Literal], ...]  # (literal in the base case, its value in the variant)
-    question: str  # what the two outcomes would say
-    toml: str
 
 
 @dataclass(frozen=True)
@@ -235,7 +145,7 @@ def minimal_conjunctions(pool: frozenset[Literal], clean: Sequence[frozenset[Lit
     misses = [pool - c for c in clean]  # a conjunction must keep one literal of each: a hitting set
     if any(not m for m in misses):
         return []
-    items = _sorted(pool)
+    items = sorted_literals(pool)
     found: list[frozenset[Literal]] = []
     budget = _MAX_SUBSETS
     for size in range(0, len(items) + 1):
@@ -271,7 +181,7 @@ def _greedy_hitting_set(misses: Sequence[frozenset[Literal]]) -> frozenset[Liter
 
 def _needed(conj: frozenset[Literal], clean: Mapping[str, frozenset[Literal]]) -> tuple:
     out = []
-    for lit in _sorted(conj):
+    for lit in sorted_literals(conj):
         rest = conj - {lit}
         held = tuple(cid for cid, lits in clean.items() if rest <= lits)
         out.append((lit, held))
@@ -302,14 +212,12 @@ def _cover(bad: Sequence[str], facts: Mapping[str, frozenset[Literal]],
 
 
 def narrow(outcomes: Mapping[str, str], facts: Mapping[str, frozenset[Literal]], *,
-           baseline: Mapping[str, Any] | None = None, precision_keys: Iterable[str] = PRECISION_KEYS,
-           same_output: Mapping[str, str] | None = None, base_configs: Mapping[str, Any] | None = None) -> Narrowing:
+           precision_keys: Iterable[str] = PRECISION_KEYS, same_output: Mapping[str, str] | None = None) -> Narrowing:
     """Narrow the cause of the bad cases.
 
     `outcomes`: case id -> ``bad`` or ``clean`` (others are ignored). `facts`: case id ->
     literals (`case_factors`). `same_output`: case -> an earlier case that generated exactly
-    the same output (shown beside literals that changed nothing). `base_configs` is unused
-    by the logic: variants name their base case and inherit from it.
+    the same output (shown beside literals that changed nothing).
     """
     precision_keys = frozenset(precision_keys)
     bad = tuple(c for c, o in outcomes.items() if o == "bad" and c in facts)
@@ -343,15 +251,15 @@ def narrow(outcomes: Mapping[str, str], facts: Mapping[str, frozenset[Literal]],
         if minimal:
             single = True
             chosen = minimal[0]
-            causes = [Cause(_sorted(chosen), tuple(main_bad), needed=_needed(chosen, clean_map))]
-            alternatives = tuple(_sorted(m) for m in minimal[1:])
+            causes = [Cause(sorted_literals(chosen), tuple(main_bad), needed=_needed(chosen, clean_map))]
+            alternatives = tuple(sorted_literals(m) for m in minimal[1:])
         else:
             for conj, covered in _cover(main_bad, facts, clean):
-                causes.append(Cause(_sorted(conj), covered, needed=_needed(conj, clean_map)))
+                causes.append(Cause(sorted_literals(conj), covered, needed=_needed(conj, clean_map)))
     separate = []
     for conj, cases in separate_groups.items():
         also = tuple(c for c in cases if any(frozenset(m.literals) <= facts[c] for m in causes))
-        separate.append(Cause(_sorted(conj), tuple(cases), kind="precision", also_main=also))
+        separate.append(Cause(sorted_literals(conj), tuple(cases), kind="precision", also_main=also))
     separate.sort(key=lambda c: str(c))
 
     in_causes = {lit for cause in (*causes, *separate) for lit in cause.literals} | {lit for a in alternatives for lit in a}
@@ -376,109 +284,8 @@ def narrow(outcomes: Mapping[str, str], facts: Mapping[str, frozenset[Literal]],
                 terms.append(frozenset(cause.literals))
         terms = list(dict.fromkeys(terms))
         finer = terms if set(terms) != {frozenset(c.literals) for c in causes} else None
-    next_cases, unsplit = _next_cases(causes, alternatives, separate, facts, outcomes, clean_map, finer)
+    next_cases, unsplit = propose(causes, alternatives, separate, facts, outcomes, clean_map, finer)
     return Narrowing(bad=bad, clean=clean_ids, causes=tuple(causes), single=single, alternatives=alternatives,
                      separate=tuple(separate), not_needed=not_needed_t, contradictions=contradictions,
                      next_cases=tuple(next_cases), unsplit=tuple(unsplit), same_output=dict(same_output or {}))
 
-
-# -- the next cases ----------------------------------------------------------------------------------
-
-
-def _predicts_bad(model: Sequence[frozenset[Literal]], lits: frozenset[Literal]) -> bool:
-    return any(term <= lits for term in model)
-
-
-def _next_cases(causes, alternatives, separate, facts, outcomes, clean_map, finer=None):
-    """The fewest one-literal toggles of observed bad cases that split every standing hypothesis pair."""
-    main = [frozenset(c.literals) for c in causes]
-    established = [frozenset(s.literals) for s in separate if not s.also_main]
-    confounded = [s for s in separate if s.also_main]
-    full = main + established + [frozenset(s.literals) for s in confounded]
-    if len(confounded) == 1 and not alternatives:
-        full_name = f"{confounded[0]} is a cause on its own"
-    elif alternatives and not confounded:
-        full_name = f"the main cause is {conjunction_text(main[0])}"
-    elif finer and not confounded:
-        full_name = f"the cover found: {'; '.join(conjunction_text(m) for m in main)}"
-    else:
-        full_name = "the causes as found"
-    models: dict[str, list[frozenset[Literal]]] = {full_name: full}
-    for s in confounded:
-        models[f"{s} is not a cause on its own"] = [t for t in full if t != frozenset(s.literals)]
-    for alt in alternatives:
-        models[f"the main cause is {conjunction_text(alt)}"] = [frozenset(alt)] + full[1:]
-    if finer:
-        models[f"each bad case has its own cause: {'; '.join(conjunction_text(t) for t in finer)}"] = \
-            finer + full[len(main):]
-    names = list(models)
-    pairs = {(a, b) for i, a in enumerate(names) for b in names[i + 1:]}
-    if not pairs:
-        return [], []
-    values: dict[tuple[str, str], set] = {}
-    for lits in facts.values():
-        for lit in lits:
-            values.setdefault((lit.source, lit.name), set()).add(lit.value)
-    relevant = {lit for model in models.values() for term in model for lit in term}
-    observed = set(facts.values())
-    candidates = []
-    bad_ids = [c for c, o in outcomes.items() if o == "bad" and c in facts]
-    for base in bad_ids:
-        for lit in _sorted(facts[base] & relevant):
-            for value in sorted(values[(lit.source, lit.name)] - {lit.value}, key=str):
-                new = Literal(lit.source, lit.name, value)
-                variant = (facts[base] - {lit}) | {new}
-                if variant in observed:
-                    continue
-                preds = {n: _predicts_bad(m, variant) for n, m in models.items()}
-                splits = {(a, b) for a, b in pairs if preds[a] != preds[b]}
-                if not splits:
-                    continue
-                nearest = min((len(variant ^ c) for c in clean_map.values()), default=99)
-                expressible = new.source in ("engine", "sampling") or (new.source == "env" and value != DEFAULT)
-                rank = (not expressible, nearest, len(facts[base]), base, str(lit), str(value))
-                candidates.append((rank, base, lit, new, preds, splits))
-    chosen, left = [], set(pairs)
-    while left:
-        scored = [(len(c[5] & left), c) for c in candidates]
-        scored = [s for s in scored if s[0]]
-        if not scored:
-            break
-        _, best = min(scored, key=lambda s: (-s[0], s[1][0]))
-        chosen.append(best)
-        left -= best[5]
-    out = [_render(best, models) for best in chosen]
-    return out, [f"{a} vs {b}" for a, b in sorted(left)]
-
-
-_ID_BAD = re.compile(r"[^A-Za-z0-9_-]+")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value), ensure_ascii=False)
-
-
-def _render(choice, models) -> NextCase:
-    _, base, old, new, preds, _ = choice
-    case_id = _ID_BAD.sub("_", f"{base}-{old.name}-{new.value_text}").strip("_-") or base
-    bad_if = sorted(n for n, p in preds.items() if p)
-    clean_if = sorted(n for n, p in preds.items() if not p)
-    question = f"{base} with {new} instead of {old}: bad -> {'; '.join(bad_if)}; clean -> {'; '.join(clean_if)}"
-    lines = [f"[cases.{case_id}]", f"inherits = {_toml_value(base)}",
-             f"description = {_toml_value(f'{base} with {new} instead of {old} (narrowing: next case)')}"]
-    if new.source in ("engine", "sampling"):
-        lines.append(f"{new.source} = {{ {new.name} = {_toml_value(new.value)} }}")
-    elif new.source == "env":
-        if new.value == DEFAULT:
-            lines.append(f"# env {new.name} unset: inheritance cannot remove an env key; copy {base} without it")
-        else:
-            lines.append(f"env = {{ {new.name} = {_toml_value(new.value)} }}")
-    else:
-        lines.append(f"# factor {new}: not a case setting; run this case where it holds (e.g. that build)")
-    lines.append(f"# bad: {'; '.join(bad_if)}")
-    lines.append(f"# clean: {'; '.join(clean_if)}")
-    return NextCase(case_id=case_id, base=base, toggles=((old, new),), question=question, toml="\n".join(lines) + "\n")
