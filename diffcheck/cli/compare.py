@@ -53,7 +53,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     from diffcheck.core import progress
     from diffcheck.storage import ledger, store
     from diffcheck.workflows import runner
-    from diffcheck.core.errors import DiffcheckError
+    from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, DiffcheckError
     from diffcheck.report import report_input, speed_summary
     from diffcheck.report.results import ComparisonReport
 
@@ -68,8 +68,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
                                           verbose=ctx.obj.get("verbose", False), force=force, echo=shown.log,
                                           replay=replay, own_golden=own_golden or None)
     except DiffcheckError as exc:
-        if bisect_codes and exc.exit_code == 3:
-            exc.exit_code = 125
+        if bisect_codes and exc.exit_code == EXIT_ENGINE:
+            exc.exit_code = EXIT_BISECT_SKIP
         raise
     for line in comparison.reused:
         echo(line)
