@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from diffcheck.workflows import bisect as bisecting
+from diffcheck.workflows import bisect_step, git_bisect
 from diffcheck import plugins
 from diffcheck.storage import store
 from test_ledger import CLEAN, git, init_repo, load_case, make_run, write_suite
@@ -36,6 +37,7 @@ BROKEN_BUILD_AT = 7
 BUILD = f"{sys.executable} -m py_compile toyplugin/__init__.py"
 TESTS = Path(__file__).resolve().parent
 MAX_ENGINE_RUNS = math.ceil(math.log2(N_COMMITS)) + 1
+GOOD, BAD, SKIP = 0, 1, 125  # what git bisect run reads: good, bad, skip this commit
 
 
 def toy_source(version: int, *, faulty: bool, broken: bool) -> str:
@@ -136,7 +138,7 @@ class Toy:
         self.step_cmd = f"{sys.executable} {self.fake} {self.suite} K"
 
     def state(self) -> tuple:
-        return (bisecting.repo_state(self.repo), bisecting.bisect_in_progress(self.repo))
+        return (git_bisect.repo_state(self.repo), git_bisect.bisect_in_progress(self.repo))
 
     def fake_calls(self) -> list[str]:
         return self.calls.read_text().split() if self.calls.exists() else []
@@ -166,11 +168,11 @@ def test_bisect_names_the_faulty_commit_and_skips_the_broken_build(toy):
     assert result.exit_code == 0 and result.n_commits == N_COMMITS - 1
     by_commit = {s.commit: s for s in result.steps}
     broken = by_commit[toy.shas[BROKEN_BUILD_AT]]  # visited (first midpoint), skipped, not blamed
-    assert broken.code == bisecting.SKIP and broken.verdict.startswith("build failed") and broken.engine_runs == 0
+    assert broken.code == SKIP and broken.verdict.startswith("build failed") and broken.engine_runs == 0
     assert result.engine_runs == len(toy.fake_calls()) <= MAX_ENGINE_RUNS
     assert toy.shas[BROKEN_BUILD_AT] not in toy.fake_calls()
-    assert {s.verdict for s in result.steps if s.code == bisecting.BAD} == {"GIBBERISH"}
-    assert {s.verdict for s in result.steps if s.code == bisecting.GOOD} == {"IDENTICAL"}
+    assert {s.verdict for s in result.steps if s.code == BAD} == {"GIBBERISH"}
+    assert {s.verdict for s in result.steps if s.code == GOOD} == {"IDENTICAL"}
     assert all(not s.reused for s in result.steps)
     assert toy.state() == before and result.left_behind == ()
 
@@ -181,16 +183,16 @@ def test_a_repeated_bisect_costs_no_engine_runs(toy):
     again = bisecting.run_bisect(toy.plan(), echo=lambda line: None)
     assert again.first_bad == first.first_bad == toy.shas[FAULT_AT]
     assert again.engine_runs == 0 and toy.fake_calls() == calls
-    judged = [s for s in again.steps if s.code != bisecting.SKIP]
+    judged = [s for s in again.steps if s.code != SKIP]
     assert judged and all(s.reused for s in judged)
-    assert [s.verdict for s in judged] == [s.verdict for s in first.steps if s.code != bisecting.SKIP]
+    assert [s.verdict for s in judged] == [s.verdict for s in first.steps if s.code != SKIP]
 
 
 def test_without_a_build_the_broken_commit_is_skipped_as_an_engine_failure(toy):
     result = bisecting.run_bisect(toy.plan(build=None), echo=lambda line: None)
     assert result.first_bad == toy.shas[FAULT_AT]
     broken = next(s for s in result.steps if s.commit == toy.shas[BROKEN_BUILD_AT])
-    assert broken.code == bisecting.SKIP and broken.verdict.startswith("engine failure")
+    assert broken.code == SKIP and broken.verdict.startswith("engine failure")
 
 
 def test_cli_output_and_exit_code(toy, capsys):
@@ -215,7 +217,7 @@ def test_all_skipped_cannot_conclude_and_restores(toy):
     result = bisecting.run_bisect(toy.plan(step_cmd="exit 3"), echo=lambda line: None)  # every engine crashes
     assert result.first_bad is None and result.exit_code == 3
     assert result.candidates and set(result.candidates) <= set(toy.shas)
-    assert all(s.code == bisecting.SKIP for s in result.steps)
+    assert all(s.code == SKIP for s in result.steps)
     assert toy.state() == before
 
 
@@ -227,7 +229,7 @@ def test_a_crashing_compare_is_skipped_not_blamed(toy, crash):
     step = f"if git -C {toy.repo} log -1 --format=%s | grep -q 'change 8$'; then {crash}; else {toy.step_cmd}; fi"
     result = bisecting.run_bisect(toy.plan(step_cmd=step), echo=lambda line: None)
     crashed = [s for s in result.steps if s.commit == toy.shas[8]]
-    assert crashed and crashed[0].code == bisecting.SKIP
+    assert crashed and crashed[0].code == SKIP
     assert result.first_bad == toy.shas[FAULT_AT]
     assert toy.state()[1] is False
 
@@ -270,7 +272,7 @@ def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig, preex
         while not (started.exists() and started.read_text().strip()):
             assert time.monotonic() < deadline and proc.poll() is None, "the step never started"
             time.sleep(0.1)
-        assert bisecting.bisect_in_progress(toy.repo)
+        assert git_bisect.bisect_in_progress(toy.repo)
         assert git(toy.repo, "rev-parse", "HEAD") != toy.shas[-1]  # mid-bisect, another commit checked out
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
@@ -329,7 +331,7 @@ def test_refuses_a_dirty_work_tree(toy):
 def test_refuses_a_bisect_in_progress(toy):
     git(toy.repo, "bisect", "start")
     assert "already in progress" in _refusal(toy)
-    assert bisecting.bisect_in_progress(toy.repo)  # the user's bisect is left alone
+    assert git_bisect.bisect_in_progress(toy.repo)  # the user's bisect is left alone
 
 
 def test_refuses_unknown_and_reversed_revisions(toy):
@@ -341,7 +343,7 @@ def test_refuses_unknown_and_reversed_revisions(toy):
                              (plan.good, plan.good, "same commit")):
         with pytest.raises(DiffcheckError, match=words):
             bisecting.run_bisect(bisecting.Plan(**{**plan.__dict__, "good": good, "bad": bad}), echo=print)
-    assert not bisecting.bisect_in_progress(toy.repo)
+    assert not git_bisect.bisect_in_progress(toy.repo)
 
 
 def test_refuses_a_case_without_its_golden(toy):
@@ -358,21 +360,21 @@ def test_refuses_a_case_without_its_golden(toy):
 def test_verdict_codes():
     from diffcheck.core.types import Verdict
 
-    assert bisecting.verdict_code(Verdict.IDENTICAL) == 0
-    assert bisecting.verdict_code(Verdict.BENIGN_DRIFT) == 0
-    assert bisecting.verdict_code(Verdict.WITHIN_BUDGET) == 0
-    assert bisecting.verdict_code(Verdict.WITHIN_BUDGET, strict=True) == 1
-    assert bisecting.verdict_code(Verdict.DEGRADED) == 1
-    assert bisecting.verdict_code(Verdict.GIBBERISH) == 1
-    assert bisecting.verdict_code(Verdict.ERROR) is None  # never cached
+    assert bisect_step.verdict_code(Verdict.IDENTICAL) == 0
+    assert bisect_step.verdict_code(Verdict.BENIGN_DRIFT) == 0
+    assert bisect_step.verdict_code(Verdict.WITHIN_BUDGET) == 0
+    assert bisect_step.verdict_code(Verdict.WITHIN_BUDGET, strict=True) == 1
+    assert bisect_step.verdict_code(Verdict.DEGRADED) == 1
+    assert bisect_step.verdict_code(Verdict.GIBBERISH) == 1
+    assert bisect_step.verdict_code(Verdict.ERROR) is None  # never cached
 
 
 def test_parse_bisect_log():
     a, b = "a" * 40, "b" * 40
-    assert bisecting.parse_bisect_log(f"# good: [{b}] x\n# first bad commit: [{a}] subject\n") == (a, ())
+    assert git_bisect.parse_bisect_log(f"# good: [{b}] x\n# first bad commit: [{a}] subject\n") == (a, ())
     log = f"# only skipped commits left to test\n# possible first bad commit: [{a}] x\n" \
           f"# possible first bad commit: [{b}] y\n"
-    assert bisecting.parse_bisect_log(log) == (None, (a, b))
+    assert git_bisect.parse_bisect_log(log) == (None, (a, b))
 
 
 # -- plugins from PYTHONPATH --------------------------------------------------------------------
@@ -472,7 +474,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     goldens = tmp_path / "goldens"
     suite = cases.load_suite(suite_path)
     runner.record_golden(suite.cases["J"], root=goldens)
-    before = (bisecting.repo_state(repo), bisecting.bisect_in_progress(repo))
+    before = (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo))
     args = ["bisect", "K", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--suite", str(suite_path),
             "--goldens", str(goldens), "--build", BUILD]
 
@@ -485,14 +487,14 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     assert 1 <= runs <= MAX_ENGINE_RUNS
     assert f"engine runs: {runs} for " in first
     assert "GIBBERISH" in first and "build failed" in first
-    assert (bisecting.repo_state(repo), bisecting.bisect_in_progress(repo)) == before
+    assert (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo)) == before
 
     assert main(args) == 0
     again = capsys.readouterr().out
     print(again)
     assert f"first bad commit: {shas[FAULT_AT]}" in again
     assert "engine runs: 0 for " in again and led.engine_runs("K") == runs
-    assert (bisecting.repo_state(repo), bisecting.bisect_in_progress(repo)) == before
+    assert (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo)) == before
 
 
 def test_interrupts_defer_while_the_child_starts_and_hold_off_a_second_signal():
@@ -500,7 +502,7 @@ def test_interrupts_defer_while_the_child_starts_and_hold_off_a_second_signal():
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: kept
     try:
         with pytest.raises(KeyboardInterrupt):
-            with bisecting._Interrupts() as interrupts:
+            with git_bisect.Interrupts() as interrupts:
                 assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
                 with interrupts.deferred():
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -508,7 +510,7 @@ def test_interrupts_defer_while_the_child_starts_and_hold_off_a_second_signal():
                     reached = True  # not cut short: Popen's result is assigned
                 pytest.fail("the deferred signal was not raised")
         assert reached
-        with bisecting._Interrupts() as interrupts:
+        with git_bisect.Interrupts() as interrupts:
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(1)
