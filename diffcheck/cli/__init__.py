@@ -17,7 +17,7 @@ import threading
 import click
 
 from diffcheck import __version__
-from diffcheck.core.errors import DiffcheckError
+from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION, EXIT_USAGE, DiffcheckError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("diffcheck.cli.init", "Scaffold cases/ (a starter suite) and goldens/ in this repository."),
@@ -64,16 +64,25 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# The exit codes from diffcheck.core.errors; which verdicts pass is the policy's (diffcheck.core.types, which
+# imports numpy, so --help points to its table in docs/verdicts.md instead of asking it).
+HELP = f"""Golden-output differential testing for LLM inference engines.
+
+Exit codes: {EXIT_PASS} pass, {EXIT_REGRESSION} regression found, {EXIT_USAGE} usage/config/data error,
+{EXIT_ENGINE} engine failure ({EXIT_BISECT_SKIP} instead with --bisect-codes), 130 interrupted. Which
+verdicts pass, with and without --strict: docs/verdicts.md.
+"""
+
+
+@click.group(cls=LazyGroup, help=HELP, context_settings={"help_option_names": ["-h", "--help"]}, epilog="""\b
+Examples:
+  diffcheck init          # a starter suite and goldens/ in this repository
+  diffcheck compare O     # judge case O of the default suite against its reference
+""")
 @click.version_option(__version__, prog_name="diffcheck")
 @click.option("-v", "--verbose", is_flag=True, help="Full logs and tracebacks from the engine.")
 @click.pass_context
 def cli(ctx, verbose):
-    """Golden-output differential testing for LLM inference engines.
-
-    Exit codes: 0 pass, 1 regression found, 2 usage/config/data error,
-    3 engine failure (125 instead with --bisect-codes).
-    """
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
 

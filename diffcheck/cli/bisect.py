@@ -54,7 +54,11 @@ def render(result, *, ledger_path) -> list[str]:
     return out
 
 
-@click.command(name="bisect")
+@click.command(name="bisect", epilog="""\b
+Examples:
+  diffcheck bisect O --repo ../vllm --good v0.31.0 --bad v0.32.0
+  diffcheck bisect O --repo ../vllm --good v0.31.0 --bad HEAD --build "pip install -e ."
+""")
 @click.argument("case_id")
 @click.option("--repo", required=True, type=click.Path(exists=True, file_okay=False),
               help="The engine's git repository (vLLM source tree, plugin or package), used through PYTHONPATH.")
@@ -64,7 +68,7 @@ def render(result, *, ledger_path) -> list[str]:
               help="Shell command run in the repository at each commit; failure skips the commit (125).")
 @suite_option
 @goldens_option
-@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as bad too.")
+@click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
 @click.option("--step-cmd", default=None, hidden=True,
               help="Tests only: a shell command used instead of `diffcheck compare` (same exit codes).")
 @click.pass_context

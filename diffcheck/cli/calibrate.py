@@ -7,7 +7,11 @@ import click
 from diffcheck.cli.common import goldens_option, suite_option
 
 
-@click.command(name="calibrate")
+@click.command(name="calibrate", epilog="""\b
+Examples:
+  diffcheck calibrate                 # every reference the default suite's candidates use
+  diffcheck calibrate J --add unbatched=goldens/default/F.parquet --description "max_num_seqs=1"
+""")
 @click.argument("case_ids", nargs=-1)
 @suite_option
 @goldens_option
@@ -22,13 +26,6 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
 
     Without IDS: every reference that a candidate of the suite judges against (cases
     tagged slow or gpu only when named). Replicas that are up to date are kept.
-
-    \b
-    Examples:
-      diffcheck calibrate                   every reference of the default suite
-      diffcheck calibrate J --suite default
-      diffcheck calibrate J --suite gpu-h200 --add flash-attn=goldens/gpu-h200/F.parquet \\
-          --description "FLASH_ATTN instead of TRITON_ATTN, eager"
     """
     from pathlib import Path
 

@@ -16,7 +16,11 @@ from diffcheck.cli.common import SUITE_DEFAULT_TEXT, default_suite, json_option,
 _SUITE_HELP = "Suite name (<cases>/<name>.toml, or shipped with diffcheck) or path to a suite file."
 
 
-@click.group(name="cases")
+@click.group(name="cases", epilog="""\b
+Examples:
+  diffcheck cases list         # every suite's cases
+  diffcheck cases show O       # O's resolved config and how it differs from J
+""")
 def cases():
     """Inspect and validate case suites (<cases>/<suite>.toml).
 
@@ -25,7 +29,11 @@ def cases():
     """
 
 
-@cases.command(name="list")
+@cases.command(name="list", epilog="""\b
+Examples:
+  diffcheck cases list
+  diffcheck cases list --suite default
+""")
 @click.option("--suite", "-s", default=None, help="Only this suite (name or path). Default: every suite.")
 def list_(suite):
     """List cases: id, role, references, tags, description."""
@@ -51,7 +59,11 @@ def list_(suite):
     return 0
 
 
-@cases.command(name="show")
+@cases.command(name="show", epilog="""\b
+Examples:
+  diffcheck cases show O            # O's resolved config and how it differs from J
+  diffcheck cases show E --json -   # the same as JSON, on stdout
+""")
 @click.argument("case_id")
 @click.option("--suite", "-s", default=default_suite, show_default=SUITE_DEFAULT_TEXT, help=_SUITE_HELP)
 @json_option
@@ -85,7 +97,11 @@ def show(case_id, suite, json_path):
     return 0
 
 
-@cases.command(name="check")
+@cases.command(name="check", epilog="""\b
+Examples:
+  diffcheck cases check                       # every suite in the cases folder
+  diffcheck cases check cases/default.toml
+""")
 @click.argument("targets", nargs=-1, metavar="[PATH_OR_SUITE]...")
 def check(targets):
     """Validate suite files (every suite in the cases folder when none is given).

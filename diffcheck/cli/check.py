@@ -7,11 +7,15 @@ import click
 from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
-@click.command(name="check")
+@click.command(name="check", epilog="""\b
+Examples:
+  diffcheck check                                         # the default suite, for CI
+  diffcheck check --case O --case D --junit reports/check.xml
+""")
 @suite_option
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these cases (repeatable); tagged and labelled cases too.")
-@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost inside its budget) fails (exit 1) too.")
+@click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
 @click.option("--force", is_flag=True, help="Run the engines even where the ledger holds identical runs.")
 @click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
               help="Forced replay mode, as for `diffcheck compare`.")
@@ -29,8 +33,9 @@ def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit
     After an engine upgrade the goldens section says which goldens moved and whether each
     move is benign: the input to `diffcheck golden record IDS --update`.
 
-    Exit 0 when every verdict passes (IDENTICAL, BENIGN_DRIFT, WITHIN_BUDGET; not the last
-    with --strict), 1 on a regression, 3 on an engine failure, 2 on bad input.
+    The exit code is the worst verdict's under the one pass/fail policy: which verdicts
+    pass, with and without --strict, is the table in docs/verdicts.md; the exit codes are
+    listed in `diffcheck --help`.
     """
     from diffcheck import cases
     from diffcheck.cli.common import echo_for, outputs, write_reports

@@ -7,7 +7,11 @@ import click
 from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
-@click.command(name="compare")
+@click.command(name="compare", epilog="""\b
+Examples:
+  diffcheck compare O                          # run O, judge it against J's golden
+  diffcheck compare E --html reports/E.html    # a labelled fault, as an HTML report
+""")
 @click.argument("case_id")
 @suite_option
 @goldens_option
@@ -16,7 +20,7 @@ from diffcheck.cli.common import goldens_option, output_option, suite_option
 @output_option("--json", help="Write a JSON report.")
 @output_option("--junit", help="Write a JUnit XML report.")
 @output_option("--html", help="Write a self-contained HTML report.")
-@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost inside its budget) fails (exit 1) too.")
+@click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
 @click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
 @click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
@@ -35,16 +39,9 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     stored golden and noise floor, as any candidate is; the fresh run is stored as
     J.run.parquet, never over the golden.
 
-    Exit 0 when every sequence is IDENTICAL, BENIGN_DRIFT or WITHIN_BUDGET (not the last
-    with --strict); 1 on DEGRADED or GIBBERISH; 3 on engine failure (125 with
-    --bisect-codes); 2 on bad input.
-
-    \b
-    Examples:
-      diffcheck compare O                       run O, judge it against its references
-      diffcheck compare O --html o.html         ... and write a self-contained report
-      diffcheck compare J                       re-run reference J, judge it against its own golden
-      diffcheck compare H --run goldens/gpu-h200/H.run.parquet   re-judge a recorded run
+    The case's verdict is its worst sequence's, and the exit code is that verdict's under
+    the one pass/fail policy: which verdicts pass, with and without --strict, is the table
+    in docs/verdicts.md; the exit codes are listed in `diffcheck --help`.
     """
     from pathlib import Path
 

@@ -7,12 +7,20 @@ import click
 from diffcheck.cli.common import goldens_option, suite_option
 
 
-@click.group(name="golden")
+@click.group(name="golden", epilog="""\b
+Examples:
+  diffcheck golden record      # every reference golden of the default suite
+  diffcheck golden verify      # check every golden's digest and schema
+""")
 def golden():
     """Record, verify, show and export reference goldens."""
 
 
-@golden.command(name="record")
+@golden.command(name="record", epilog="""\b
+Examples:
+  diffcheck golden record                # every reference of the default suite
+  diffcheck golden record J --update     # re-record J after an engine upgrade
+""")
 @click.argument("case_ids", nargs=-1)
 @suite_option
 @goldens_option
@@ -46,7 +54,11 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
     return 0
 
 
-@golden.command(name="verify")
+@golden.command(name="verify", epilog="""\b
+Examples:
+  diffcheck golden verify                   # the default suite's goldens
+  diffcheck golden verify --suite gpu-h200  # the committed H200 recordings
+""")
 @suite_option
 @goldens_option
 def verify(suite, goldens):
@@ -75,7 +87,11 @@ def verify(suite, goldens):
     return 0
 
 
-@golden.command(name="show")
+@golden.command(name="show", epilog="""\b
+Examples:
+  diffcheck golden show J               # the reference golden of J
+  diffcheck golden show O --kind run    # the candidate run of O recorded beside it
+""")
 @click.argument("case_id")
 @suite_option
 @goldens_option
@@ -122,7 +138,11 @@ def show(case_id, suite, goldens, kind):
     return 0
 
 
-@golden.command(name="export")
+@golden.command(name="export", epilog="""\b
+Examples:
+  diffcheck golden export J --out J.csv
+  diffcheck golden export goldens/default/O.run.parquet --out O.parquet
+""")
 @click.argument("target", metavar="FILE|ID")
 @suite_option
 @goldens_option

@@ -155,7 +155,11 @@ def scaffold(start: Path, *, config: bool = True) -> list[tuple[str, Path]]:
     return done
 
 
-@click.command(name="init")
+@click.command(name="init", epilog="""\b
+Examples:
+  diffcheck init                 # cases/default.toml (J, S1), goldens/, [tool.diffcheck]
+  diffcheck init --no-config     # the same, pyproject.toml left alone
+""")
 @click.option("--no-config", is_flag=True, help="Do not add a [tool.diffcheck] table to pyproject.toml.")
 def init(no_config):
     """Scaffold cases/ (a starter suite: reference J, candidate S1) and goldens/ here.

@@ -22,7 +22,11 @@ from diffcheck.cli.common import output_option
 from diffcheck.core.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
 
 
-@click.command("kernels")
+@click.command("kernels", epilog="""\b
+Examples:
+  diffcheck kernels --suite quick              # the CI-sized grid, on the CPU
+  diffcheck kernels --device cuda --update     # re-record the stored CUDA results
+""")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where to run (default cpu; with --from-json, the file's device).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("goldens/kernels"),
@@ -39,9 +43,6 @@ from diffcheck.core.errors import EXIT_PASS, EXIT_REGRESSION, ConfigError
 def kernels(device, out_dir, update, suite_name, kernel_names, json_path, from_json, all_rows) -> int:
     """Check decode attention kernels against a float64 reference, eager and
     under graph replay, and prove the replay harness catches stale metadata.
-
-    \b
-    Re-record the stored results:  diffcheck kernels --device DEVICE --update
     """
     from diffcheck_kernels import results as res
 

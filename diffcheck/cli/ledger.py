@@ -37,7 +37,11 @@ def render_groups(groups) -> list[str]:
     return lines
 
 
-@click.command(name="ledger")
+@click.command(name="ledger", epilog="""\b
+Examples:
+  diffcheck ledger --case O      # O's runs, grouped by identical output
+  diffcheck ledger --json -      # every run as JSON, on stdout
+""")
 @goldens_option
 @click.option("--suite", "-s", default=None, help="Only runs of this suite.")
 @click.option("--case", "case_id", default=None, help="Only runs of this case id.")

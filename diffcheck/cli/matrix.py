@@ -7,7 +7,11 @@ import click
 from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
-@click.command(name="matrix")
+@click.command(name="matrix", epilog="""\b
+Examples:
+  diffcheck matrix                                # the default suite (slow, gpu left out)
+  diffcheck matrix J O E --md reports/matrix.md   # three cases, a Markdown table
+""")
 @click.argument("case_ids", nargs=-1)
 @suite_option
 @goldens_option
@@ -24,7 +28,7 @@ from diffcheck.cli.common import goldens_option, output_option, suite_option
                    "--ray=HOST:PORT (or auto) joins one (install diffcheck[ray]).")
 @click.option("--cpus-per-rank", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="With --ray: CPUs a CPU case reserves per tensor/pipeline-parallel rank.")
-@click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as bad too.")
+@click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
 @click.option("--force", is_flag=True, help="Run every candidate again even when the ledger holds an identical run.")
 @click.pass_context
 def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_path, outcomes_path, baseline,
@@ -37,15 +41,8 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_p
     same-output groups), then narrows the cause: the smallest conjunctions of config
     factors true in every bad case and in no clean one, and the next cases worth running.
 
-    Exit 0 when every comparison passes, 1 on a regression, 3 when an engine failed
-    (and nothing regressed), 2 on bad input; --from-outcomes exits 0.
-
-    \b
-    Examples:
-      diffcheck matrix                                  the default suite, sequentially
-      diffcheck matrix J O E --md reports/matrix.md     three cases, a Markdown table
-      diffcheck matrix --ray --suite default            one Ray task per case, local cluster
-      diffcheck matrix --from-outcomes cases/outcomes/flash-v100-quality.toml --suite flash-v100-quality
+    The exit code is the worst verdict's, as for `diffcheck compare` (docs/verdicts.md);
+    --from-outcomes runs nothing and exits 0.
     """
     import time
 

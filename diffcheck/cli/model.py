@@ -5,12 +5,19 @@ from __future__ import annotations
 import click
 
 
-@click.group(name="model")
+@click.group(name="model", epilog="""\b
+Examples:
+  diffcheck model prepare smollm2-135m
+  diffcheck model list
+""")
 def model():
     """Prepare and inspect models."""
 
 
-@model.command(name="prepare")
+@model.command(name="prepare", epilog="""\b
+Examples:
+  diffcheck model prepare smollm2-135m   # the default suite's model
+""")
 @click.argument("model_id")
 @click.option("--cache", type=click.Path(file_okay=False), default=None, help="Cache folder (default $DIFFCHECK_CACHE or ~/.cache/diffcheck).")
 @click.option("--force", is_flag=True, help="Download and convert again even if a verified copy exists.")
@@ -24,7 +31,10 @@ def prepare(model_id, cache, force):
     return 0
 
 
-@model.command(name="list")
+@model.command(name="list", epilog="""\b
+Examples:
+  diffcheck model list
+""")
 def list_():
     """List known model ids and whether they are prepared."""
     from diffcheck.engines import models

@@ -7,7 +7,11 @@ import click
 from diffcheck.cli.common import goldens_option, suite_option
 
 
-@click.command(name="run")
+@click.command(name="run", epilog="""\b
+Examples:
+  diffcheck run O                  # then: diffcheck compare O --run goldens/default/O.run.parquet
+  diffcheck run E --replay full    # every sequence forced from step 0
+""")
 @click.argument("case_id")
 @suite_option
 @goldens_option

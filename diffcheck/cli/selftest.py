@@ -7,7 +7,11 @@ import click
 from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 
-@click.command(name="selftest")
+@click.command(name="selftest", epilog="""\b
+Examples:
+  diffcheck selftest                                        # every labelled case of the default suite
+  diffcheck selftest --case E --case M --json reports/selftest.json
+""")
 @suite_option
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these labelled cases (repeatable).")
