@@ -35,9 +35,13 @@ leaves a consistent folder: (1) record the new entry as ``pending`` beside the
 committed one, (2) write a temp file in the folder, fsync, ``os.replace``,
 (3) commit the pending entry. A file matching either the committed or the
 pending entry verifies. The manifest itself is rewritten by temp + replace under
-``MANIFEST.json.lock``; a second writer of the same run file is refused with
-`LockedError` (non-blocking ``fcntl.flock`` on ``<file>.lock``, naming the
-holder's pid).
+``MANIFEST.json.lock`` (writers wait for it); a second writer of the same run
+file is refused with `LockedError` (non-blocking ``fcntl.flock`` on
+``<file>.lock``, naming the holder's pid). A lock file exists only while it is
+held: its holder removes it before letting go (`_flock` says how the unlink race
+is avoided), so none is left beside the goldens. One left by a writer killed
+while holding it is unheld and holds that writer's pid; the next write in the
+folder removes it, and any temp file of the killed write (`_sweep`).
 """
 
 from __future__ import annotations
@@ -173,28 +177,83 @@ def _remove_stale_temps(folder: Path, name: str) -> None:
             p.unlink()
 
 
+def _linked_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the file `path` names now (not one unlinked from there)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 @contextlib.contextmanager
 def _flock(lock_path: Path, *, blocking: bool, target: Path) -> Iterator[None]:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    """Hold `lock_path` exclusively (``fcntl.flock``); the file exists only while it is held.
+
+    The holder writes its pid into the file and removes the file before letting go, so no
+    lock file is left beside the goldens. The unlink race: an acquirer may open the file just
+    before its holder removes it and then lock that removed file, which no longer excludes
+    anyone; so after its flock it checks that its file is still the one `lock_path` names
+    (same inode) and otherwise starts over. Only a holder removes the file, so once the check
+    passes the file stays linked until its release. A writer killed while holding leaves the
+    file behind, unheld: the next writer takes it over and removes it (`_sweep`).
+    """
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except OSError as exc:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise LockedError(f"{target}: another writer holds {lock_path.name} (pid {holder}); "
                               "wait for it to finish") from None
+        if _linked_at(fd, lock_path):
+            break
+        os.close(fd)  # its holder removed it between our open and our flock: take the one there now
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
     finally:
-        os.close(fd)
+        try:
+            if _linked_at(fd, lock_path):  # ours unless someone deleted it by hand meanwhile
+                os.unlink(lock_path)  # while still held: a waiter on it sees it gone and starts over
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # releases the flock
+
+
+_TEMP = re.compile(r"\.(?P<name>.+)\.\d+\.tmp\Z")  # manifest.atomic_write's temp file names
+
+
+def _sweep(folder: Path, listed) -> None:
+    """Lock and temp files that killed writers left, of files the manifest lists.
+
+    Called under the manifest lock. Each file's leftovers are removed while holding its lock
+    (non-blocking: a live writer of that file keeps its own), so an in-flight temp file is
+    never touched.
+    """
+    stale: dict[str, list[Path]] = {}
+    with os.scandir(folder) as it:
+        for e in it:
+            if e.name.endswith(".lock") and e.name[:-len(".lock")] in listed:
+                stale.setdefault(e.name[:-len(".lock")], [])
+            elif (m := _TEMP.match(e.name)) and m["name"] in listed:
+                stale.setdefault(m["name"], []).append(folder / e.name)
+    for name, temps in stale.items():
+        try:
+            with _flock(folder / f"{name}.lock", blocking=False, target=folder / name):
+                for t in temps:
+                    with contextlib.suppress(OSError):
+                        t.unlink()
+        except LockedError:
+            continue  # a live writer of that file (this process's own write among them)
 
 
 def _update_manifest(folder: Path, change) -> None:
@@ -202,6 +261,7 @@ def _update_manifest(folder: Path, change) -> None:
     with _flock(folder / f"{MANIFEST}.lock", blocking=True, target=folder / MANIFEST):
         _remove_stale_temps(folder, MANIFEST)
         manifest = _load_manifest(folder) or {}
+        _sweep(folder, manifest.keys() - {MANIFEST})
         change(manifest)
         text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
         _atomic_write(folder / MANIFEST, text.encode())
