@@ -38,6 +38,7 @@ browser:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium >/dev/null)
 
 test: model browser
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 compare: model

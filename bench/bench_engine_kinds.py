@@ -3,7 +3,7 @@
 Setup: the default suite's first two design-doc prompts (~200 prompt tokens each),
 64 tokens each with EOS ignored, temperature 0.7 / top-p 0.95 / top-k 20, seed 1234,
 top-20 logprobs; SmolLM2-135M in fp32, eager; 1 GiB KV cache. The kinds run one after
-another, each opened through `diffcheck.workflows.runner.open_engine` and closed before
+another, each opened through `diffcheck.engines.session.open_engine` and closed before
 the next starts:
 
 - ``vllm``: vLLM offline (``vllm.LLM``) in this process;
@@ -70,7 +70,7 @@ def main() -> dict:
     import numpy as np
 
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     folder = Path(tempfile.mkdtemp(prefix="bench-kinds-"))
     (folder / "prompts.toml").write_text(_prompts())
@@ -80,7 +80,7 @@ def main() -> dict:
     reference = None
     hf_forced = None
     for kind in ("vllm", "openai", "hf"):
-        with runner.open_engine(suite.cases[kind]) as engine:
+        with sessionmod.open_engine(suite.cases[kind]) as engine:
             run = engine.generate()
             target = reference if reference is not None else run
             forced = engine.force(target)

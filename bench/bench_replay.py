@@ -1,7 +1,7 @@
 """Forced replay, full against partial, side by side in one engine, and the verdicts of both.
 
 For each candidate of the default suite named (default O, E, M, D), one engine with the
-case's own configuration (``runner.open_engine``):
+case's own configuration (``sessionmod.open_engine``):
 
 1. generate the suite's prompts (the tokens must equal the stored candidate run
    ``goldens/default/X.run.parquet``'s, whose forced run along J was a full replay);
@@ -64,7 +64,8 @@ def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> di
     from diffcheck import cases
     from diffcheck.judging import classify
     from diffcheck.engines import replay
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
+    from diffcheck import workspace
     from diffcheck.storage import store
 
     case = cases.get_case(suite, cid)
@@ -74,7 +75,7 @@ def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> di
     scored = store.read_run(scored_path) if scored_path.exists() else None
     tolerances = classify.Tolerances.from_dict(case.tolerances or {}, source=f"{case.source}: [cases.{cid}.tolerances]")
     t0 = time.perf_counter()
-    with runner.open_engine(case) as engine:
+    with sessionmod.open_engine(case) as engine:
         startup = time.perf_counter() - t0
         cand = engine.generate()
         full_plan = replay.plan(golden, cand, "full")
@@ -191,12 +192,13 @@ def _bench_apply_rows(n: int, vocab: int, calls: int, rng) -> dict:
 
 def main(case_ids: tuple[str, ...] = CASES, rounds: int = 2) -> dict:
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
+    from diffcheck import workspace
     from diffcheck.workflows.calibrate import load_floor
 
-    root = runner.goldens_root()
+    root = workspace.goldens_root()
     suite = cases.load_suite(SUITE)
-    golden = runner.load_golden(root, SUITE, REFERENCE)
+    golden = workspace.load_golden(root, SUITE, REFERENCE)
     floor, notes = load_floor(root, SUITE, REFERENCE, golden)
     for note in notes:
         print(note)

@@ -103,7 +103,8 @@ def judge(golden, run, forced, *, floor, scorer, tests):
 def main() -> dict:
     from diffcheck import cases
     from diffcheck.core.types import fails
-    from diffcheck.workflows import calibrate, runner
+    from diffcheck.engines import session as sessionmod
+    from diffcheck.workflows import calibrate, record
     from diffcheck.storage import store
 
     t0 = time.perf_counter()
@@ -113,7 +114,7 @@ def main() -> dict:
         suite = cases.load_suite(suite_path)
         root = Path(tmp) / "goldens"
         ref = suite.cases["J"]
-        result = runner.record_golden(ref, root=root, echo=lambda m: print(m, flush=True))
+        result = record.record_golden(ref, root=root, echo=lambda m: print(m, flush=True))
         golden = store.read_run(result.path)
         floor = calibrate.calibrate(ref, root=root, golden=golden, echo=lambda m: print(m, flush=True))
         print(floor.describe(), flush=True)
@@ -121,11 +122,11 @@ def main() -> dict:
         n_seq = len(golden.sequences)
         tests = len(BATCH_SHAPES) * ORDERS * n_seq
         alarms = []
-        with runner.open_engine(ref) as scorer:
+        with sessionmod.open_engine(ref) as scorer:
             for shape in BATCH_SHAPES:
                 case = ref if shape is None else dataclasses.replace(
                     ref, engine=dataclasses.replace(ref.engine, max_num_seqs=shape))
-                with runner.open_engine(case) as engine:
+                with sessionmod.open_engine(case) as engine:
                     for k in range(ORDERS):
                         order = list(range(n_seq)) if k == 0 else rng.permutation(n_seq).tolist()
                         run, forced = candidate(engine, golden, order)
@@ -139,7 +140,7 @@ def main() -> dict:
                 env = {**ref.env, "DIFFCHECK_FAULT": "attn-noise", "DIFFCHECK_FAULT_SCALE": str(scale),
                        "DIFFCHECK_FAULT_STEP": str(FAULT_STEP)}
                 case = dataclasses.replace(ref, id=f"noise{scale}", role="candidate", references=("J",), env=env)
-                with runner.open_engine(case) as engine:
+                with sessionmod.open_engine(case) as engine:
                     run, forced = engine.generate(), engine.force(golden)
                 verdict = judge(golden, run, forced, floor=floor, scorer=scorer, tests=len(SCALES) * n_seq)
                 worst = max(verdict.sequences, key=lambda s: s.verdict.value)

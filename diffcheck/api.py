@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from diffcheck.cases import Case, Suite
     from diffcheck.judging.classify import Tolerances
     from diffcheck.judging.floor import Floor
-    from diffcheck.workflows.runner import Comparison, GoldenResult
+    from diffcheck.workflows.compare import Comparison
+    from diffcheck.workspace import GoldenResult
     from diffcheck.core.types import CaseVerdict, Run
 
 PathLike = str | os.PathLike
@@ -96,7 +97,7 @@ def compare(reference_run: Run | PathLike, candidate_run: Run | PathLike, *, for
     ``.sequences``.
     """
     from diffcheck.judging import classify
-    from diffcheck.workflows.runner import with_quality
+    from diffcheck.judging.quality import with_quality
 
     reference, candidate = _run(reference_run, "reference_run"), _run(candidate_run, "candidate_run")
     if tolerances is None:
@@ -144,9 +145,11 @@ def compare_case(case_id: str, *, suite: str | PathLike | Suite | None = None, g
     its own stored golden (a fresh run with today's engine; `own_golden`, default: when it has
     no references), the regression check of the engine itself.
     """
-    from diffcheck.workflows import runner
+    from diffcheck.workflows import compare as comparemod
+    from diffcheck.workflows import record
+    from diffcheck import workspace
 
-    return runner.compare(_suite(suite), case_id, root=runner.goldens_root(goldens),
+    return comparemod.compare(_suite(suite), case_id, root=workspace.goldens_root(goldens),
                           run_file=Path(run_file) if run_file is not None else None, verbose=verbose,
                           force=force, echo=echo or _quiet, replay=replay, own_golden=own_golden)
 
@@ -163,10 +166,12 @@ def record_golden(case: str | Case, *, suite: str | PathLike | Suite | None = No
     (``.status``: recorded, unchanged, up to date or updated; ``.path``; ``.digest``).
     """
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.workflows import compare as comparemod
+    from diffcheck.workflows import record
+    from diffcheck import workspace
 
     resolved = case if isinstance(case, cases.Case) else cases.get_case(_suite(suite), case)
-    return runner.record_golden(resolved, root=runner.goldens_root(goldens), update=update, force=force,
+    return record.record_golden(resolved, root=workspace.goldens_root(goldens), update=update, force=force,
                                 check_determinism=check_determinism, verbose=verbose, echo=echo or _quiet)
 
 

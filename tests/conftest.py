@@ -57,9 +57,9 @@ def smoke_suite(smoke_suite_path):
 @pytest.fixture(scope="session")
 def engine(smoke_suite):
     """The one shared real engine (the smoke suite's reference J)."""
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
-    eng = runner.open_engine(smoke_suite.cases["J"])
+    eng = sessionmod.open_engine(smoke_suite.cases["J"])
     yield eng
     eng.close()
 
@@ -72,8 +72,8 @@ def reference_run(engine):
 @pytest.fixture(scope="session")
 def engine_pool(engine):
     """A pool that already holds the shared engine as reference J (never closed by tests)."""
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
-    pool = runner.EnginePool()
+    pool = sessionmod.EngineSession()
     pool.engines["J"] = engine
     return pool

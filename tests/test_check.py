@@ -14,7 +14,7 @@ from diffcheck import cases
 from diffcheck.core.errors import ConfigError, DataError
 from diffcheck.core import types as policy
 from diffcheck.workflows import check as checking
-from diffcheck.workflows import runner
+from diffcheck.workflows import compare as comparemod
 from diffcheck.storage import store
 from diffcheck.core.types import Verdict
 from factories import make_run, write_suite
@@ -73,10 +73,10 @@ def test_a_reference_is_judged_against_its_own_golden_and_never_scored_by_itself
     golden_bytes = store.run_path(root, "chk", "J").read_bytes()
     same = write_recorded(root, suite, "J", [[5, 6, 7, 8], [9, 10, 11, 12]], role="candidate")
     lines: list[str] = []
-    result = runner.compare(suite, "J", root=root, run_file=same, echo=lines.append)
+    result = comparemod.compare(suite, "J", root=root, run_file=same, echo=lines.append)
     assert [(v.candidate_id, v.reference_id, v.verdict) for v in result.verdicts] == [("J", "J", Verdict.IDENTICAL)]
     moved = write_recorded(root, suite, "J", [[5, 6, 70, 80], [9, 10, 11, 12]], role="candidate")
-    result = runner.compare(suite, "J", root=root, run_file=moved, echo=lines.append)
+    result = comparemod.compare(suite, "J", root=root, run_file=moved, echo=lines.append)
     assert result.verdicts[0].verdict is not Verdict.IDENTICAL and result.verdicts[0].sequences[0].t_star == 2
     assert any("J vs J: signals: generate, no scoring (own golden" in line for line in lines), lines
     assert not any("starting" in line for line in lines)  # no engine for scoring
@@ -85,7 +85,7 @@ def test_a_reference_is_judged_against_its_own_golden_and_never_scored_by_itself
 
 def test_own_golden_is_for_references_only(suite, tmp_path):
     with pytest.raises(ConfigError, match=r"case 'S1' is a candidate: only a reference has a golden of its own"):
-        runner.compare(suite, "S1", root=tmp_path, own_golden=True, echo=lambda m: None)
+        comparemod.compare(suite, "S1", root=tmp_path, own_golden=True, echo=lambda m: None)
 
 
 @pytest.mark.parametrize("verdict", list(Verdict))

@@ -251,11 +251,11 @@ def test_engine_refusal_is_raised_in_the_parent_with_its_root_cause(suite_path):
     # vLLM validates max_model_len against the model's config before it spawns the
     # engine core, so this fails in seconds, in this process, with no engine to clean up.
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     case = cases.load_suite(suite_path).cases["X"]
     with pytest.raises(EngineError) as info:
-        runner.open_engine(case)
+        sessionmod.open_engine(case)
     assert info.value.exit_code == 3
     message = info.value.message
     assert "\n" not in message

@@ -13,7 +13,7 @@ from diffcheck import cases as lang
 from diffcheck.core import config
 from diffcheck.cli import main
 from diffcheck.core.errors import ConfigError
-from diffcheck.workflows import runner
+from diffcheck import workspace
 from factories import write_suite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def pyproject(folder: Path, table: str, head: str = '[project]\nname = "x"\n') -
 def test_defaults_without_a_config(project):
     s = config.load()
     assert (s.cases, s.goldens, s.suite, s.pyproject) == (Path("cases"), Path("goldens"), "default", None)
-    assert runner.goldens_root() == Path("goldens") and lang.cases_dir() == Path("cases")
+    assert workspace.goldens_root() == Path("goldens") and lang.cases_dir() == Path("cases")
 
 
 def test_pyproject_paths_are_relative_to_the_file_from_any_subfolder(project, monkeypatch):
@@ -52,7 +52,7 @@ def test_pyproject_paths_are_relative_to_the_file_from_any_subfolder(project, mo
     assert s.pyproject == path
     assert s.cases == project / "qa" / "cases" and s.goldens == project / "qa" / "goldens" and s.suite == "smoke"
     assert lang.cases_dir() == project / "qa" / "cases"
-    assert runner.goldens_root() == project / "qa" / "goldens"
+    assert workspace.goldens_root() == project / "qa" / "goldens"
     assert s.sources == {"cases": str(path), "goldens": str(path), "suite": str(path)}
 
 
@@ -77,7 +77,7 @@ def test_environment_beats_pyproject_and_flags_beat_both(project, monkeypatch):
     assert s.sources == {"cases": "$DIFFCHECK_CASES", "goldens": "$DIFFCHECK_GOLDENS", "suite": "$DIFFCHECK_SUITE"}
     s = config.load(cases="c3", goldens="g3", suite="s3")
     assert (s.cases, s.goldens, s.suite) == (Path("c3"), Path("g3"), "s3")
-    assert runner.goldens_root("g3") == Path("g3") and runner.goldens_root() == Path("g2")
+    assert workspace.goldens_root("g3") == Path("g3") and workspace.goldens_root() == Path("g2")
 
 
 @pytest.mark.parametrize("table, names", [

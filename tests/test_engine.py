@@ -16,10 +16,10 @@ pytestmark = pytest.mark.engine
 TWO_ENGINES = """
 import multiprocessing, os, signal, sys, threading
 from diffcheck import cases
-from diffcheck.workflows import runner
+from diffcheck.engines import session as sessionmod
 
 suite = cases.load_suite(sys.argv[1])
-with runner.EnginePool() as pool:
+with sessionmod.EngineSession() as pool:
     for cid in ("J", "S1"):
         threads, cores = threading.active_count(), multiprocessing.active_children()
         engine = pool.get(suite.cases[cid], echo=lambda _: None)

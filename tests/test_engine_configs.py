@@ -58,7 +58,7 @@ def test_what_a_configuration_cannot_do_is_said_per_case(tmp_path):
 def test_compare_states_a_missing_capability_in_its_echo_and_the_verdict_summary(tmp_path):
     """A base_url candidate has no forced replay: compare --run says so, and the summary's signals hold it."""
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.workflows import compare as comparemod
     from diffcheck.storage import store
 
     suite = cases.load_suite(write_suite(tmp_path / "cases", {
@@ -73,7 +73,7 @@ def test_compare_states_a_missing_capability_in_its_echo_and_the_verdict_summary
     run_file = store.run_path(root, "t", "W", kind="generate", role="candidate")
     store.write_run(run_file, cand)
     lines: list[str] = []
-    result = runner.compare(suite, "W", root=root, run_file=run_file, echo=lines.append)
+    result = comparemod.compare(suite, "W", root=root, run_file=run_file, echo=lines.append)
     said = [ln for ln in lines if "signals:" in ln]
     assert said and "forced replay: not available on engine openai (base_url)" in said[0]
     (verdict,) = result.verdicts

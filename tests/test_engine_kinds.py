@@ -815,11 +815,11 @@ def test_base_url_run_judged_after_the_server_stops_says_what_it_lacked(ctx, ext
 @engine
 def test_hf_greedy_is_bit_reproducible_on_vllms_prompt_ids(ctx):
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     suite = cases.load_suite(ctx["suite_path"])
     golden = _read(ctx, "J.parquet")
-    with runner.open_engine(cases.get_case(suite, "HG")) as eng:
+    with sessionmod.open_engine(cases.get_case(suite, "HG")) as eng:
         assert eng.prompt_token_ids() == [list(s.prompt_token_ids) for s in golden.sequences]
         a, b = eng.generate(), eng.generate()
         forced = eng.force(a)

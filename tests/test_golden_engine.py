@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from diffcheck.workflows import runner
+from diffcheck.workflows import record
 from diffcheck.storage import store
 from diffcheck.core.errors import DiffcheckError
 
@@ -16,17 +16,17 @@ pytestmark = pytest.mark.engine
 
 def test_golden_life_cycle(tmp_path, smoke_suite, engine_pool):
     case = smoke_suite.cases["J"]
-    first = runner.record_golden(case, root=tmp_path, pool=engine_pool, echo=lambda m: None)
+    first = record.record_golden(case, root=tmp_path, session=engine_pool, echo=lambda m: None)
     assert first.status == "recorded"
     assert first.path == store.run_path(tmp_path, "smoke", "J")
 
-    again = runner.record_golden(case, root=tmp_path, pool=engine_pool, echo=lambda m: None)
+    again = record.record_golden(case, root=tmp_path, session=engine_pool, echo=lambda m: None)
     assert again.status == "up to date" and again.digest == first.digest
 
-    forced = runner.record_golden(case, root=tmp_path, pool=engine_pool, force=True, echo=lambda m: None)
+    forced = record.record_golden(case, root=tmp_path, session=engine_pool, force=True, echo=lambda m: None)
     assert forced.status == "unchanged" and forced.digest == first.digest
 
-    checked = runner.record_golden(case, root=tmp_path, pool=engine_pool, check_determinism=True,
+    checked = record.record_golden(case, root=tmp_path, session=engine_pool, check_determinism=True,
                                    echo=lambda m: None)
     assert checked.digest == first.digest
 
@@ -38,10 +38,10 @@ def test_golden_life_cycle(tmp_path, smoke_suite, engine_pool):
     store.write_run(first.path, other)
     changed_digest = store.content_digest(store.read_run(first.path))
     with pytest.raises(DiffcheckError, match="--update"):
-        runner.record_golden(case, root=tmp_path, pool=engine_pool, force=True, echo=lambda m: None)
+        record.record_golden(case, root=tmp_path, session=engine_pool, force=True, echo=lambda m: None)
     assert store.content_digest(store.read_run(first.path)) == changed_digest
 
-    updated = runner.record_golden(case, root=tmp_path, pool=engine_pool, force=True, update=True,
+    updated = record.record_golden(case, root=tmp_path, session=engine_pool, force=True, update=True,
                                    echo=lambda m: None)
     assert updated.status == "updated" and updated.digest == first.digest
     assert np.array_equal(store.read_run(first.path).steps.token_id, golden.steps.token_id)

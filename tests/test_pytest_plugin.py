@@ -1,16 +1,19 @@
 """The pytest plugin (diffcheck.pytest_plugin): the llm_golden fixture in pytester projects.
 
 The plugin loads through its ``pytest11`` entry point (the inner sessions run in a
-subprocess with this venv), as it does for users. The real-engine test runs vLLM itself
-in the inner project: one engine, two prompts, 16 tokens. The failure paths are driven
-with synthetic runs, which is where a known verdict can be produced.
+subprocess with this venv), as it does for users. The real-engine test runs the example of
+docs/integration.md as written (the model path filled in) in a new git repository: one
+engine for the session, two prompts, 32 tokens. The failure paths are driven with synthetic
+runs, which is where a known verdict can be produced.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,44 +23,42 @@ from factories import make_run
 
 pytest_plugins = ["pytester"]
 
-TOP_K = 5
-ENGINE_TEST = """
-    import json, os
+TOP_K = 5  # the synthetic runs' top-k
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "integration.md"
+MODEL_IN_DOCS = "/path/to/model"
 
-    import pytest
+# What vLLM returned, for the outer test to hold the golden against: the inner project's own
+# conftest.py records every LLM.generate (the example itself stays as the docs write it).
+RECORDER = """
+    import json
+
     import vllm
 
-    MODEL = %(model)r
-    PROMPTS = ["The capital of France is", "Write one sentence about rivers."]
+    _generate = vllm.LLM.generate
 
 
-    @pytest.fixture(scope="module")
-    def outputs():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        llm = vllm.LLM(model=MODEL, dtype="float32", enforce_eager=True,
-                       max_model_len=512, gpu_memory_utilization=0.3, seed=0, enable_prefix_caching=False,
-                       disable_log_stats=True)
-        params = vllm.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, top_k=20, seed=1234,
-                                     logprobs=%(k)d)
-        first, again = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
-        llm.llm_engine.engine_core.shutdown()  # vLLM 0.32's LLM has no shutdown of its own
-        # what vLLM returned, for the outer test to hold the golden against
+    def _recorded(self, *args, **kwargs):
+        outputs = _generate(self, *args, **kwargs)
         dump = [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
                  "text": o.outputs[0].text,
                  "logprobs": [{str(t): [lp.logprob, lp.rank] for t, lp in step.items()}
-                              for step in o.outputs[0].logprobs]} for o in first]
+                              for step in o.outputs[0].logprobs]} for o in outputs]
         with open("vllm_outputs.json", "w") as f:
             json.dump(dump, f)
-        return first, again
+        return outputs
 
 
-    def test_first_run_writes_the_golden(llm_golden, outputs):
-        llm_golden.check(outputs[0], name="rivers")
-
-
-    def test_a_rerun_passes(llm_golden, outputs):
-        llm_golden.check(outputs[1], name="rivers")
+    vllm.LLM.generate = _recorded
 """
+
+
+def docs_example() -> str:
+    """The pytest example of docs/integration.md's llm_golden section, as written there."""
+    text = DOCS.read_text()
+    section = text[text.index("## The pytest fixture `llm_golden`"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block and block.group(1).count(MODEL_IN_DOCS) == 1, "the docs' example names one model path"
+    return block.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -69,30 +70,53 @@ def model_path() -> str:
 
 
 @pytest.mark.engine
-def test_llm_golden_with_the_real_engine(model_path, pytester):
-    pytester.makepyfile(test_llm=textwrap.dedent(ENGINE_TEST % {"k": TOP_K, "model": model_path}))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", timeout=540)
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed") == 1 and outcomes.get("passed") == 1, result.stdout.str()
-    golden_path = pytester.path / "test_llm" / "rivers.parquet"
-    result.stdout.fnmatch_lines([f"llm_golden: no golden {golden_path}; wrote it from this run (2 sequences, 32 tokens)*",
-                                 "*FAILED test_llm.py::test_first_run_writes_the_golden*"])
-    result.stdout.fnmatch_lines(["*PASSED test_llm.py::test_a_rerun_passes*"])
-    assert not (pytester.path / "test_llm" / "rivers.obtained.parquet").exists()
+def test_the_docs_example_in_a_new_repository(model_path, pytester, monkeypatch):
+    """docs/integration.md's example, model path filled in, in a new git repository, run twice.
+
+    Its first run writes the golden and fails saying so; the second passes. Neither leaves a
+    lock file or any other file than the golden and its manifest in the test's folder (what
+    a user commits), and neither ends with vLLM logging into closed streams.
+    """
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the example must set what it needs
+    repo = pytester.path
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    tests = repo / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(textwrap.dedent(RECORDER))
+    (tests / "test_llm.py").write_text(docs_example().replace(MODEL_IN_DOCS, model_path))
+    golden_path = tests / "test_llm" / "test_generation.parquet"
+
+    first = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", "tests", timeout=540)
+    shown = first.stdout.str() + first.stderr.str()
+    assert first.parseoutcomes().get("failed") == 1 and "passed" not in first.parseoutcomes(), shown
+    dump = json.loads((repo / "vllm_outputs.json").read_text())
+    n_tokens = sum(len(d["token_ids"]) for d in dump)
+    first.stdout.fnmatch_lines([f"llm_golden: no golden {golden_path}; wrote it from this run "
+                                f"(2 sequences, {n_tokens} tokens)*"])
+    second = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", "tests", timeout=540)
+    second.assert_outcomes(passed=1)
+    for run in (first, second):
+        out = run.stdout.str() + run.stderr.str()
+        assert "Logging error" not in out and "I/O operation on closed file" not in out, out[-4000:]
+    new = subprocess.run(["git", "-C", str(repo), "ls-files", "--others", "--exclude-standard", "tests/test_llm"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(new) == ["tests/test_llm/MANIFEST.json", "tests/test_llm/test_generation.parquet"], new
+    assert not list(repo.rglob("*.lock")), list(repo.rglob("*.lock"))
+    assert not (tests / "test_llm" / "test_generation.obtained.parquet").exists()
 
     # The golden holds exactly what vLLM returned (logprobs within the store's 6-bit rounding).
     golden = store.read_run(golden_path)
-    dump = json.loads((pytester.path / "vllm_outputs.json").read_text())
+    k = 20  # the example's logprobs=20
     assert [s.prompt_id for s in golden.sequences] == ["0", "1"]
-    assert golden.steps.k == TOP_K
+    assert golden.steps.k == k
     for i, want in enumerate(dump):
         seq = golden.sequence(i)
         assert seq.info.prompt_token_ids == tuple(want["prompt_token_ids"]) and seq.info.text == want["text"]
-        assert seq.token_id.tolist() == want["token_ids"] and len(want["token_ids"]) == 16
+        assert seq.token_id.tolist() == want["token_ids"] and 0 < len(want["token_ids"]) <= 32
         for t, step in enumerate(want["logprobs"]):
             own = step[str(want["token_ids"][t])][0]
             assert abs(seq.logprob[t] - own) <= 2 ** -7 * abs(own) + 1e-6
-            ranked = sorted((rank, int(tid), lp) for tid, (lp, rank) in step.items() if rank <= TOP_K)
+            ranked = sorted((rank, int(tid), lp) for tid, (lp, rank) in step.items() if rank <= k)
             assert seq.topk_ids[t].tolist() == [tid for _, tid, _ in ranked]
             assert np.allclose(seq.topk_logprobs[t], [lp for _, _, lp in ranked], rtol=2 ** -7, atol=1e-6)
 
@@ -159,6 +183,7 @@ def test_missing_then_passing_then_failing_with_the_verdict(synthetic, monkeypat
     first.assert_outcomes(failed=2)
     assert len(re.findall(r"^llm_golden: no golden \S+; wrote it from this run", first.stdout.str(), re.M)) == 2
     assert sorted(p.name for p in folder.glob("*.parquet")) == ["test_check.parquet", "test_named_a_b_.parquet"]
+    assert sorted(p.name for p in folder.iterdir()) == ["MANIFEST.json", "test_check.parquet", "test_named_a_b_.parquet"]
 
     _run(synthetic, monkeypatch, "good").assert_outcomes(passed=2)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diffcheck.workflows import runner, selftest
+from diffcheck.workflows import compare as comparemod
+from diffcheck.workflows import record, selftest
 from diffcheck.storage import store
 from diffcheck.core.types import Verdict
 
@@ -12,10 +13,10 @@ pytestmark = pytest.mark.engine
 
 
 def test_short_selftest(tmp_path, smoke_suite, engine_pool):
-    runner.record_golden(smoke_suite.cases["J"], root=tmp_path, pool=engine_pool, echo=lambda m: None)
+    record.record_golden(smoke_suite.cases["J"], root=tmp_path, session=engine_pool, echo=lambda m: None)
     outcomes = []
     for case in selftest.labelled_cases(smoke_suite):
-        comparison = runner.compare(smoke_suite, case.id, root=tmp_path, pool=engine_pool, echo=lambda m: None)
+        comparison = comparemod.compare(smoke_suite, case.id, root=tmp_path, session=engine_pool, echo=lambda m: None)
         outcomes += [selftest.outcome(case, v) for v in comparison.verdicts]
     by_case = {o.case_id: o for o in outcomes}
     assert set(by_case) == {"S1", "E"}
@@ -39,5 +40,5 @@ def test_short_selftest(tmp_path, smoke_suite, engine_pool):
         assert source["reused"] == ([] if mode == "full" else same), (cid, source)
     # the recorded runs can be re-judged offline, without an engine
     run_file = store.run_path(tmp_path, "smoke", "E", role="candidate")
-    offline = runner.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)
+    offline = comparemod.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)
     assert offline.verdict is Verdict.GIBBERISH

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_fault_at_tp3_acts_once_in_each_of_three_worker_ranks(tmp_path):
     from diffcheck import cases
     from diffcheck.faults import marker
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     marker_file = tmp_path / "logs" / "marker.jsonl"
     env = {"DIFFCHECK_FAULT": "lost-head", "DIFFCHECK_FAULT_STEP": "2", "DIFFCHECK_FAULT_MARKER": str(marker_file),
@@ -34,7 +34,7 @@ def test_a_fault_at_tp3_acts_once_in_each_of_three_worker_ranks(tmp_path):
         sampling={"max_tokens": 6, "temperature": 0.0, "logprobs": 5},
         engine={"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "kv_cache_memory_gib": 1,
                 "tensor_parallel_size": 3})
-    with runner.open_engine(cases.get_case(cases.load_suite(suite_path), "T")) as engine:
+    with sessionmod.open_engine(cases.get_case(cases.load_suite(suite_path), "T")) as engine:
         run = engine.generate()
         effective = engine.info()["effective"]
     assert effective["tensor_parallel_size"] == 3

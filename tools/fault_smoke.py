@@ -6,7 +6,7 @@ Each config (``clean`` or a DIFFCHECK_FAULT value) becomes one case of a small
 generated suite whose env holds the DIFFCHECK_FAULT* variables (the engine sets them
 while vLLM spawns its engine core and worker, so they are set before those processes
 exist). Each case's engine is opened through the public engine API
-(`diffcheck.workflows.runner.open_engine`), runs the smoke prompts greedily, and is
+(`diffcheck.engines.session.open_engine`), runs the smoke prompts greedily, and is
 closed before the next config starts: never two engines at once. Then the fault's
 marker file is read back.
 
@@ -124,10 +124,10 @@ class _EngineRun:
 
 def run_config(case, config: str, *, step: int, marker: Path, score: dict[str, object] | None = None) -> _EngineRun:
     """One engine for `config`'s case; if `score` (config -> Run) is given, this engine also scores those."""
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     t0 = time.monotonic()
-    with runner.open_engine(case) as engine:
+    with sessionmod.open_engine(case) as engine:
         t1 = time.monotonic()
         run = engine.generate()
         t2 = time.monotonic()

@@ -32,11 +32,12 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
     from diffcheck import cases
     from diffcheck.core import progress
     from diffcheck.core.errors import ConfigError
-    from diffcheck.workflows import calibrate as cal, runner
+    from diffcheck import workspace
+    from diffcheck.workflows import calibrate as cal
     from diffcheck.storage import store
 
     s = cases.load_suite(suite)
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     if add is not None:
         name, sep, file = add.partition("=")
         if not sep or len(case_ids) != 1:
@@ -53,7 +54,7 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
         if case.role != "reference":
             raise ConfigError(f"{cases.display_path(s.path)}: case '{ref_id}' is a {case.role}; "
                               "only references have a noise floor")
-        golden = runner.load_golden(root, s.name, ref_id)
+        golden = workspace.load_golden(root, s.name, ref_id)
         with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
             floor = cal.calibrate(case, root=root, golden=golden, perturbations=cal.perturbations_for(s, ref_id),
                                   verbose=ctx.obj.get("verbose", False), echo=shown.log)

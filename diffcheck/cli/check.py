@@ -40,13 +40,14 @@ def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit
     from diffcheck import cases
     from diffcheck.cli.common import echo_for, outputs, write_reports
     from diffcheck.core import progress
-    from diffcheck.workflows import check as checking, runner
+    from diffcheck import workspace
+    from diffcheck.workflows import check as checking
     from diffcheck.report.results import CheckReport
 
     requested = outputs("check", json=json_path, junit=junit_path)
     echo = echo_for(requested)
     s = cases.load_suite(suite)
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     verbose = ctx.obj.get("verbose", False)
     with progress.display(verbose=verbose) as shown:
         result = checking.run_check(s, root=root, include=set(case_ids) or None, verbose=verbose, force=force,

@@ -49,7 +49,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     from diffcheck.cli.common import echo_for, outputs, write_reports
     from diffcheck.core import progress
     from diffcheck.storage import ledger, store
-    from diffcheck.workflows import runner
+    from diffcheck.engines import models
+    from diffcheck import workspace
     from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, DiffcheckError
     from diffcheck.report import report_input, speed_summary
     from diffcheck.report.results import ComparisonReport
@@ -58,7 +59,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     echo = echo_for(requested)
     try:
         s = cases.load_suite(suite)
-        root = runner.goldens_root(goldens)
+        root = workspace.goldens_root(goldens)
         with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
             shown.stage(f"compare {case_id}")
             comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
@@ -76,7 +77,7 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
         meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
         meta["hardware"] = comparison.candidate.meta.hardware
     speed = speed_summary(comparison.candidate, comparison.goldens, comparison.forced)
-    tokenizer = runner.load_tokenizer(cases.get_case(s, case_id)) if comparison.candidate is not None else None
+    tokenizer = models.load_tokenizer(cases.get_case(s, case_id).model) if comparison.candidate is not None else None
     notes = ()
     if comparison.candidate is not None:
         digest = store.output_digest(comparison.candidate)

@@ -34,12 +34,12 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
 
     from diffcheck import api, cases
     from diffcheck.core import progress
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
 
     s = cases.load_suite(suite)
     ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
     todo = [cases.get_case(s, i) for i in ids]
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     rows = []
     for n, case in enumerate(todo, 1):
         t0 = time.perf_counter()
@@ -65,13 +65,13 @@ def verify(suite, goldens):
     """Check every golden's blake3 digest and schema."""
     from pathlib import Path
 
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
     from diffcheck.storage import store
     from diffcheck.core.errors import DataError
 
     from diffcheck import cases
 
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     folder = Path(root) / cases.load_suite(suite).name
     if not folder.is_dir():
         raise DataError(f"{folder}: no goldens for suite '{suite}'; record them with `diffcheck golden record --suite {suite}`")
@@ -106,10 +106,10 @@ def show(case_id, suite, goldens, kind):
 
     from diffcheck import cases
     from diffcheck.judging import quality
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
     from diffcheck.storage import store
 
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     path = store.run_path(root, cases.load_suite(suite).name, case_id, kind="generate", role="candidate" if kind == "run" else "reference")
     run = store.read_run(path)
     entry = store.manifest_entry(path) or {}
@@ -159,15 +159,15 @@ def export(target, suite, goldens, fmt, out):
     from pathlib import Path
 
     from diffcheck import api, cases
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
     from diffcheck.storage import store
 
     if target.endswith(".parquet") or "/" in target or Path(target).is_file():
         source = Path(target)
     else:
-        source = store.run_path(runner.goldens_root(goldens), cases.load_suite(suite).name, target)
+        source = store.run_path(workspace.goldens_root(goldens), cases.load_suite(suite).name, target)
         if not source.exists():
-            runner.load_golden(source.parent.parent, source.parent.name, target)  # the one-line "no golden" error
+            workspace.load_golden(source.parent.parent, source.parent.name, target)  # the one-line "no golden" error
     fmt = fmt or ("csv" if out.lower().endswith(".csv") else "parquet")
     run = api.read_run(source)
     api.export_run(source, out, format=fmt)

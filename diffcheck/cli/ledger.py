@@ -55,10 +55,10 @@ def ledger(goldens, suite, case_id, json_path):
     """
 
     from diffcheck.storage import ledger as ledgermod
-    from diffcheck.workflows import runner
+    from diffcheck import workspace
     from diffcheck.core.errors import DataError
 
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     path = root / ledgermod.FILENAME
     if not path.exists():
         raise DataError(f"{path}: no ledger yet; it is created by the first `diffcheck golden record` or "

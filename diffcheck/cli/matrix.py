@@ -52,7 +52,8 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_p
     from diffcheck.cli.common import echo_for, outputs, write_reports
     from diffcheck.core.errors import ConfigError
     from diffcheck.workflows import matrix as mx
-    from diffcheck.workflows import runner
+    from diffcheck.engines import models
+    from diffcheck import workspace
     from diffcheck.report.results import MatrixReport
 
     requested = outputs("outcomes" if outcomes_path else "matrix", markdown=md_path, json=json_path,
@@ -67,7 +68,7 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_p
         result = mx.from_outcomes(s, outcomes_path)
     else:
         address = mx.check_ray_address(ray_address)
-        root = runner.goldens_root(goldens)
+        root = workspace.goldens_root(goldens)
         console = Console(stderr=True)
         t0 = time.perf_counter()
         with console.status(f"matrix: suite {s.name}") as status:
@@ -82,7 +83,7 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_p
             f"ledger, {time.perf_counter() - t0:.0f}s"
             + (f"; left out (slow/gpu, name them to run): {', '.join(result.left_out)}" if result.left_out else ""))
     write_reports(requested, MatrixReport(result, strict=strict, from_outcomes=bool(outcomes_path),
-                                          tokenizer_for=lambda cid: runner.load_tokenizer(cases.get_case(s, cid))))
+                                          tokenizer_for=lambda cid: models.load_tokenizer(cases.get_case(s, cid).model)))
     if outcomes_path:
         return 0
     from diffcheck.core.types import exit_code

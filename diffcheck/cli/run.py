@@ -27,12 +27,13 @@ def run(ctx, case_id, suite, goldens, force, replay):
     """
     from diffcheck import cases
     from diffcheck.core import progress
-    from diffcheck.workflows import runner
+    from diffcheck.workflows import compare as comparemod
+    from diffcheck import workspace
     from diffcheck.storage import store
 
     s = cases.load_suite(suite)
     case = cases.get_case(s, case_id)
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     goldens_ = {}
     for ref in case.references:
         path = store.run_path(root, s.name, ref)
@@ -42,7 +43,7 @@ def run(ctx, case_id, suite, goldens, force, replay):
             click.echo(f"no golden for {ref} yet: recording without forced replay along it")
     with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
         echo = shown.log
-        cand, forced, reused = runner.run_candidate(case, list(goldens_), goldens_, root=root,
+        cand, forced, reused = comparemod.run_candidate(case, list(goldens_), goldens_, root=root,
                                                     verbose=ctx.obj.get("verbose", False), force=force, echo=echo,
                                                     replay=replay)
     for line in reused:

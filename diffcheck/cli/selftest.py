@@ -29,13 +29,16 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     from diffcheck import cases
     from diffcheck.cli.common import outputs, write_reports
     from diffcheck.core import progress
-    from diffcheck.workflows import runner, selftest as st
+    from diffcheck import workspace
+    from diffcheck.engines import session as sessionmod
+    from diffcheck.workflows import compare as comparemod
+    from diffcheck.workflows import record, selftest as st
     from diffcheck.storage import store
     from diffcheck.report.results import SelftestReport
 
     requested = outputs("selftest", json=json_path)
     s = cases.load_suite(suite)
-    root = runner.goldens_root(goldens)
+    root = workspace.goldens_root(goldens)
     chosen = st.labelled_cases(s, include=set(case_ids) or None)
     if not chosen:
         from diffcheck.core.errors import ConfigError
@@ -47,16 +50,16 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     t0 = time.perf_counter()
     n_prompts = {c.id: len(cases.load_prompts(c)) for c in chosen}
     n_tests = sum(n_prompts[c.id] * len(c.references) for c in chosen)  # every sequence judged in this run
-    with progress.display(verbose=verbose) as shown, runner.EnginePool(verbose=verbose) as pool:
+    with progress.display(verbose=verbose) as shown, sessionmod.EngineSession(verbose=verbose) as pool:
         echo = shown.log
         missing = [ref for ref in refs if not store.run_path(root, s.name, ref).exists()]
         for n, ref in enumerate(missing, 1):
             shown.stage(f"selftest: recording golden {n} of {len(missing)}: {ref}")
-            runner.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, pool=pool)
+            record.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, session=pool)
         for n, case in enumerate(chosen, 1):
             shown.stage(f"selftest: case {n} of {len(chosen)}: {case.id}")
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
-            comparison = runner.compare(s, case.id, root=root, verbose=verbose, echo=echo, pool=pool,
+            comparison = comparemod.compare(s, case.id, root=root, verbose=verbose, echo=echo, session=pool,
                                         tests=n_tests)
             for v in comparison.verdicts:
                 outcomes.append(st.outcome(case, v, strict=strict))

@@ -1,7 +1,7 @@
 """Where a project keeps its cases and goldens, and which suite is its default.
 
 The one place that resolves them; `diffcheck.cases` (suite lookup),
-`diffcheck.workflows.runner.goldens_root` and the CLI's ``--suite`` default ask
+`diffcheck.workspace.goldens_root` and the CLI's ``--suite`` default ask
 it. Each setting comes from the first of these that has it (as ruff and pytest
 do; a flag wins over the environment, which wins over the file):
 

@@ -31,6 +31,8 @@ as a prepared model is.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import re
@@ -336,3 +338,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model: str) -> Any | None:
+    """The model's tokenizer (transformers), for token strings in evidence and reports; None if unavailable."""
+    from diffcheck.engines import prompting
+
+    try:
+        return prompting.load_tokenizer(resolve(model).path)
+    except (ImportError, OSError, ValueError, DataError, ConfigError):  # evidence and reports fall back to token ids
+        return None

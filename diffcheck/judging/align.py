@@ -140,3 +140,12 @@ def align(
         reference_len=ref_len,
         candidate_len=cand_len,
     )
+
+
+def differs(golden: Run, candidate: Run) -> bool:
+    """Whether the candidate's sampled tokens differ from the golden's anywhere."""
+    if len(golden.sequences) != len(candidate.sequences):
+        return True
+    if [s.n_tokens for s in golden.sequences] != [s.n_tokens for s in candidate.sequences]:
+        return True
+    return not np.array_equal(golden.steps.token_id, candidate.steps.token_id)

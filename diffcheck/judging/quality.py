@@ -24,6 +24,8 @@ Characters, for every metric:
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import re
 import unicodedata
@@ -216,3 +218,11 @@ def text_metrics(text: str, n_tokens: int | None = None) -> dict[str, Any]:
         "output_hash": output_hash(text),
         "token_count": None if n_tokens is None else int(n_tokens),
     }
+
+
+def with_quality(verdict, candidate) -> CaseVerdict:
+    """Fill in the seed's text metrics the classifier skipped (identical sequences), for reports."""
+    seqs = tuple(s if s.quality else dataclasses.replace(
+        s, quality=text_metrics(candidate.sequences[s.index].text, candidate.sequences[s.index].n_tokens))
+        for s in verdict.sequences)
+    return dataclasses.replace(verdict, sequences=seqs)

@@ -7,9 +7,9 @@ one ``<testcase>`` per sequence (``classname`` = the candidate id, ``name`` =
 ``"seq{index} {prompt_id}"``). Mapping:
 
 - IDENTICAL, BENIGN_DRIFT: passed.
-- NUMERIC_DRIFT: passed, with the evidence in ``<system-out>``; a ``<failure>``
-  instead when ``strict=True`` (the same rule as ``compare --strict``).
-- GIBBERISH: ``<failure>``, message = the first evidence string.
+- WITHIN_BUDGET: passed, with the evidence in ``<system-out>``; a ``<failure>``
+  instead when ``strict=True`` (the one policy, `diffcheck.core.types.passes`).
+- DEGRADED, GIBBERISH: ``<failure>``, message = the first evidence string.
 - ERROR: ``<error>``, message = the first evidence string or the case's error.
   A case that is ERROR with no sequences (the engine never produced any) gets
   one testcase named ``engine`` carrying the error.

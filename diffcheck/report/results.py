@@ -18,7 +18,7 @@ picks a renderer by the result's ``kind``:
 The results with verdicts share what the JUnit and HTML renderers read:
 ``verdicts``, ``strict``, ``junit_name`` and ``report_input()``.
 
-`report_input` builds the `ReportInput` of a comparison (`diffcheck.workflows.runner.Comparison`):
+`report_input` builds the `ReportInput` of a comparison (`diffcheck.workflows.compare.Comparison`):
 each sequence's token strings on both sides, decoded one token at a time by the given
 tokenizer, or whole texts without one.
 """

@@ -2,7 +2,7 @@
 
 One implementation for every caller: the ledger keys runs with `code_state`
 before any engine starts, the engine records `vllm_source_state` in each run's
-metadata, and the runner compares that against a golden's to decide whether it
+metadata, and the workspace compares that against a golden's to decide whether it
 is up to date. Knows git (through the ``git`` command) and importlib metadata;
 never imports vllm or torch.
 """

@@ -5,12 +5,12 @@ describes. One row per run that an engine actually executed (goldens and
 candidate runs; forced and scored runs are derived from those and are not
 rows). A row holds what produced the run and what came out of it:
 
-- ``key``: the run's identity, `key_for`: the case's resolved config digest,
+- ``key``: the run's identity (`diffcheck.workspace.ledger_key` builds it): the case's resolved config digest,
   the code state (`code_state`: vLLM distribution version, and the git commit,
   dirty flag and diff digest of vLLM's source checkout and of every PYTHONPATH
   entry inside a git repository), the model digest and, for candidates, the
   content digests of the goldens they were replayed along. Two runs with one
-  key are the same experiment: the runner reuses the earlier one instead of
+  key are the same experiment: the workspace reuses the earlier one instead of
   running it again (the seed log's "do not repeat" list, kept by the machine).
 - ``output_digest``: what was generated (`store.output_digest`: token ids and
   text). Equal digests across cases are the seed log's "same bad hash as E".
@@ -122,21 +122,6 @@ def _digest(value: Any) -> str:
     return blake3.blake3(text.encode()).hexdigest()
 
 
-def key_for(case, *, goldens: dict[str, Run] | None = None, state: dict[str, Any] | None = None) -> str:
-    """The identity of running `case` now: config, code, model, and the goldens it is replayed along."""
-    from diffcheck import cases as casesmod
-    from diffcheck.engines import models
-    from diffcheck.storage import store
-
-    payload = {
-        "config": casesmod.config_digest(case),
-        "code": _code_identity(state if state is not None else code_state()),
-        "model": models.resolve_case(case).digest,
-        "goldens": {ref: store.content_digest(run) for ref, run in sorted(goldens.items())} if goldens else None,
-    }
-    return _digest(payload)
-
-
 # -- the ledger --------------------------------------------------------------------------------
 
 
@@ -186,14 +171,15 @@ class Ledger:
         return [_entry(row) for row in rows]
 
     # -- writing --------------------------------------------------------------------------------
-    def add(self, run: Run, *, path: str | Path, case, key: str | None = None) -> Entry:
-        """Record a run that an engine actually executed; returns its entry."""
-        from diffcheck import cases as casesmod
+    def add(self, run: Run, *, path: str | Path, key: str, config_digest: str, state: dict[str, Any] | None = None,
+            role: str | None = None) -> Entry:
+        """Record a run that an engine actually executed; returns its entry.
+
+        `key` is the run's identity (`diffcheck.workspace.ledger_key`), `state` the code state
+        it was computed from (default: now)."""
         from diffcheck.storage import store
 
-        state = code_state()
-        if key is None:
-            key = key_for(case, state=state)
+        state = state if state is not None else code_state()
         engine = run.meta.engine or {}
         version = engine.get("version") or state["engine"].get("version")
         commit = engine.get("commit") or next((r["commit"] for r in state["repos"] if r["source"] == "vllm"), None)
@@ -202,11 +188,11 @@ class Ledger:
             dirty = any(r["dirty"] for r in state["repos"])
         values = {
             "key": key,
-            "case_id": case.id,
-            "suite": case.suite,
+            "case_id": run.meta.case_id,
+            "suite": run.meta.suite,
             "kind": run.meta.kind,
-            "role": run.meta.role or case.role,
-            "config_digest": casesmod.config_digest(case),
+            "role": run.meta.role or role,
+            "config_digest": config_digest,
             "engine_version": version,
             "engine_commit": commit,
             "engine_dirty": None if dirty is None else int(bool(dirty)),

@@ -1,6 +1,7 @@
-"""The noise floor of a reference: record replicas, load them back.
+"""The noise floor of a reference: which replicas, and recording them.
 
-Knows cases, engines (lazily), the golden store and `judging.floor`. A replica is
+Engines run through `diffcheck.engines.session`, files are written and floors loaded by
+`diffcheck.workspace` (`load_floor`, `replica_path`). A replica is
 the reference's own configuration under one harmless perturbation, teacher-forced
 along the reference's golden: every step is then a same-context comparison with
 the golden. Replicas are stored beside the goldens as ordinary forced runs,
@@ -19,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffcheck.core.errors import ConfigError, DataError
-from diffcheck.judging.floor import Floor, build_floor, precision_spec
-from diffcheck.storage import store
+from diffcheck import workspace
+from diffcheck.core import progress
+from diffcheck.core.errors import DataError
 from diffcheck.core.types import Run
+from diffcheck.engines import session
+from diffcheck.judging.floor import Floor
 
 Echo = Callable[[str], None]
 
@@ -61,67 +64,21 @@ def perturbations_for(suite, reference_id: str, *, exclude_tags=("slow", "gpu"))
                                  for n in sizes)
 
 
-def replica_path(root: Path, suite: str, reference_id: str, name: str) -> Path:
-    base = store.run_path(root, suite, reference_id)  # validates the names
-    if not name.replace("-", "").replace("_", "").isalnum():
-        raise ConfigError(f"replica name {name!r} is not valid (letters, digits, '-', '_')")
-    return base.with_name(f"{reference_id}.floor-{name}.parquet")
-
-
-def replica_files(root: Path, suite: str, reference_id: str) -> dict[str, Path]:
-    folder = store.run_path(root, suite, reference_id).parent
-    prefix = f"{reference_id}.floor-"
-    return {p.name[len(prefix):-len(".parquet")]: p for p in sorted(folder.glob(f"{prefix}*.parquet"))}
-
-
-def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[Floor, list[str]]:
-    """The reference's floor from its stored replicas, and notes on any left out."""
-    replicas, notes = {}, []
-    digest = store.content_digest(golden)
-    spec = precision_spec(golden)
-    for name, path in replica_files(root, suite, reference_id).items():
-        run = store.read_run(path)
-        if run.meta.kind == "forced" and run.meta.source.get("golden_digest") != digest:
-            notes.append(f"floor replica {path.name} was forced along an older golden of {reference_id}: "
-                         f"left out (run `diffcheck calibrate {reference_id}`)")
-            continue
-        if precision_spec(run) != spec:  # a floor is keyed by (model, precision spec)
-            notes.append(f"floor replica {path.name} has another precision spec than {reference_id} "
-                         f"({precision_spec(run)} vs {spec}): left out")
-            continue
-        replicas[name] = run
-    floor = build_floor(golden, replicas)
-    return dataclasses.replace(floor, notes=tuple(notes)), notes
-
-
 def calibrate(case, *, root: Path, golden: Run, perturbations=PERTURBATIONS, verbose: bool = False,
               echo: Echo = print) -> Floor:
     """Record every replica of `case` (a reference) along its golden, then the floor."""
-    from diffcheck.core import progress
-    from diffcheck.workflows.runner import open_engine
-
-    digest = store.content_digest(golden)
     for k, p in enumerate(perturbations, 1):
-        path = replica_path(root, case.suite, case.id, p.name)
-        if path.exists():
-            try:
-                old = store.read_run(path)
-                if old.meta.source.get("golden_digest") == digest and old.meta.source.get("perturbation") == p.engine:
-                    echo(f"{case.id}: floor replica {k}/{len(perturbations)} ({p.name}) up to date")
-                    continue
-            except DataError:
-                pass
+        path = workspace.replica_path(root, case.suite, case.id, p.name)
+        if workspace.replica_up_to_date(path, golden, p.engine):
+            echo(f"{case.id}: floor replica {k}/{len(perturbations)} ({p.name}) up to date")
+            continue
         replica_case = dataclasses.replace(case, engine=dataclasses.replace(case.engine, **p.engine))
         progress.stage(f"{case.id}: floor replica {k} of {len(perturbations)} ({p.name})")
         echo(f"{case.id}: floor replica {k}/{len(perturbations)}: {p.description}; starting engine")
-        with open_engine(replica_case, verbose=verbose) as engine:
-            echo(f"{case.id}: forcing {golden.n_tokens} steps along the golden ({p.name})")
-            run = engine.force(golden, progress=progress.task(f"{case.id}: forcing along the golden ({p.name})"))
-            progress.activity(f"{case.id}: shutting the engine down")
-        meta = dataclasses.replace(run.meta, case_id=f"{case.id}.floor-{p.name}", source={
-            **run.meta.source, "golden_digest": digest, "perturbation": p.engine, "description": p.description})
-        store.write_run(path, dataclasses.replace(run, meta=meta))
-    floor, notes = load_floor(root, case.suite, case.id, golden)
+        echo(f"{case.id}: forcing {golden.n_tokens} steps along the golden ({p.name})")
+        run = session.force(replica_case, golden, verbose=verbose, label=f" ({p.name})")
+        workspace.store_replica(root, case.suite, case.id, p.name, run, golden, perturbation=p.engine, description=p.description)
+    floor, notes = workspace.load_floor(root, case.suite, case.id, golden)
     for note in notes:
         echo(note)
     return floor
@@ -131,9 +88,6 @@ def add_replica(root: Path, suite: str, reference_id: str, name: str, run: Run, 
     """Store a recorded run (generate or forced) as a floor replica of `reference_id`."""
     if run.meta.kind not in ("generate", "forced"):
         raise DataError(f"a floor replica must be a generate or forced run, not {run.meta.kind!r}")
-    path = replica_path(root, suite, reference_id, name)
-    golden = store.read_run(store.run_path(root, suite, reference_id))
-    meta = dataclasses.replace(run.meta, source={**run.meta.source, "description": description,
-                                                 "golden_digest": store.content_digest(golden)})
-    store.write_run(path, dataclasses.replace(run, meta=meta))
-    return path
+    golden = workspace.load_golden(root, suite, reference_id)
+    return workspace.store_replica(root, suite, reference_id, name, run, golden, perturbation=None,
+                                   description=description)

@@ -1,7 +1,7 @@
 """``diffcheck check``: the whole suite the way CI wants it, one command, one exit code.
 
 - Every **reference** is re-run with today's code and engine and judged against its own
-  stored golden and noise floor (`runner.compare` with ``own_golden=True``; a reference
+  stored golden and noise floor (`comparemod.compare` with ``own_golden=True``; a reference
   that has references of its own, such as F against J, is judged against those too, in the
   same engine run).
 - Every **candidate** is judged against its references' goldens, as ``diffcheck compare``
@@ -16,7 +16,7 @@ fresh run is not IDENTICAL to its golden), and whether each move is *benign* (th
 policy passes it: inside the noise floor, or a precision change inside its budget), the
 input to ``diffcheck golden record IDS --update``.
 
-Knows cases, the runner and the policy; renders nothing (``diffcheck.cli.check`` does).
+Knows cases, the compare workflow and the policy; renders nothing (``diffcheck.cli.check`` does).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from diffcheck import cases as casesmod
 from diffcheck.core import progress
 from diffcheck.core.errors import DataError
 from diffcheck.core import types as policy
-from diffcheck.workflows import runner
+from diffcheck.workflows import compare as comparemod
 from diffcheck.storage import store
 from diffcheck.core.types import CaseVerdict, Verdict
 
@@ -80,7 +80,7 @@ class GoldenMove:
 @dataclass(frozen=True)
 class CheckResult:
     suite: str
-    comparisons: dict[str, runner.Comparison]  # case id -> its comparison, in the order run
+    comparisons: dict[str, comparemod.Comparison]  # case id -> its comparison, in the order run
     goldens: tuple[GoldenMove, ...]
     skipped: tuple[tuple[str, str], ...]  # (case id, why)
 
@@ -138,7 +138,7 @@ def _engine_label(engine: dict) -> str:
     return label
 
 
-def golden_move(case, comparison: runner.Comparison) -> GoldenMove:
+def golden_move(case, comparison: comparemod.Comparison) -> GoldenMove:
     golden = comparison.goldens[case.id]
     own = next(v for v in comparison.verdicts if v.reference_id == case.id)
     now = _engine_label(comparison.candidate.meta.engine) if comparison.candidate is not None else ""
@@ -161,13 +161,13 @@ def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bo
     refs_of = {c.id: ((c.id,) if c.role == "reference" else ()) + tuple(r for r in c.references if r != c.id)
                for c in chosen}
     n_tests = sum(len(casesmod.load_prompts(c)) * len(refs_of[c.id]) for c in chosen)
-    comparisons: dict[str, runner.Comparison] = {}
+    comparisons: dict[str, comparemod.Comparison] = {}
     moves = []
     for n, case in enumerate(chosen, 1):
         against = ", ".join("its golden" if r == case.id else r for r in refs_of[case.id])
         progress.stage(f"check: case {n} of {len(chosen)}: {case.id} against {against}")
         echo(f"[{n}/{len(chosen)}] {case.id}: against {against}")
-        comparison = runner.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
+        comparison = comparemod.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
                                     tests=n_tests, replay=replay, own_golden=case.role == "reference")
         comparisons[case.id] = comparison
         if case.role == "reference":

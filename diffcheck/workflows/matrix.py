@@ -1,11 +1,15 @@
 """``diffcheck matrix``: a suite's whole experiment matrix, resumable, with the seed's table and a narrowing.
 
-Longer than 400 lines because the matrix's order (goldens, candidates), its interruption handling and the seed's table belong together.
+One plan, one driver (`run_plan`), two executors of its engine work
+(`diffcheck.workflows.executors`: sequential here, or Ray): the executor returns runs,
+the driver alone stores them (`diffcheck.workspace`) and judges them.
 
 1. **Goldens first**: every reference the chosen cases need, recorded unless up to
-   date (`runner.record_golden`).
-2. **Every candidate** against its references (`runner.compare`), with ``tests`` =
-   the number of sequences the whole matrix judges (the multiple-testing correction).
+   date.
+2. **Every candidate** the ledger does not hold is generated and forced along its
+   goldens, then every candidate is judged against its references from its stored
+   files (`comparemod.compare`), with ``tests`` = the number of sequences the whole
+   matrix judges (the multiple-testing correction).
    Cases that list references while being references themselves (a second,
    unbatched reference) are compared too.
 3. Every engine run goes through the ledger: a run with the same key (config, code,
@@ -20,7 +24,7 @@ Longer than 400 lines because the matrix's order (goldens, candidates), its inte
 
 ``--from-outcomes FILE`` does steps 4-5 from recorded outcomes instead
 (`diffcheck.cases.outcomes`): no engine. ``--ray`` runs the engine work of steps
-1-2 as Ray tasks (`diffcheck.workflows.matrix_ray`); the driver alone writes.
+1-2 as Ray tasks (`diffcheck.workflows.matrix_ray.RayExecutor`); the driver alone writes.
 
 Cases tagged ``slow`` or ``gpu`` are left out unless named.
 """
@@ -33,12 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from diffcheck import workspace
 from diffcheck.core.errors import DiffcheckError
 from diffcheck.core.types import CaseVerdict, Run, Verdict
+from diffcheck.engines import replay as replaymod
+from diffcheck.engines import session as sessionmod
+from diffcheck.workflows import compare as comparemod
+from diffcheck.workflows import executors
 
 Echo = Callable[[str], None]
 EXCLUDED_TAGS = ("slow", "gpu")
-METRIC_COLUMNS = ("digit_ratio", "weird_runs", "repeated_num_runs", "max_digit_run")
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class Row:
 class MatrixResult:
     suite: Any
     rows: list[Row] = field(default_factory=list)
-    comparisons: dict[str, Any] = field(default_factory=dict)  # case id -> runner.Comparison
+    comparisons: dict[str, Any] = field(default_factory=dict)  # case id -> comparemod.Comparison
     outcomes: dict[str, str] = field(default_factory=dict)  # case id -> bad | clean (for narrowing)
     left_out: tuple[str, ...] = ()
     narrowing: Any = None
@@ -111,24 +119,87 @@ class MatrixResult:
 def run_matrix(suite, ids=(), *, root: Path, echo: Echo = print, force: bool = False, verbose: bool = False,
                strict: bool = False, baseline: str | None = None, ray: str | None = None,
                cpus_per_rank: float = 1.0) -> MatrixResult:
-    """Goldens, then every comparison, through the ledger; then the table and the narrowing."""
-    from diffcheck.storage import ledger as ledgermod
+    """Goldens, then every comparison, through the ledger; then the table and the narrowing.
 
+    The engine work runs on the sequential executor, or with `ray` (an address or
+    ``local``) on the Ray executor; the plan, the storing and the judging are the same."""
     t0 = time.perf_counter()
     p = plan(suite, ids)
-    led = ledgermod.Ledger.open(root)
+    led = workspace.ledger(root)
     before = len(led.entries())
     if ray is not None:
         from diffcheck.workflows import matrix_ray
 
-        comparisons, golden_errors = matrix_ray.run(suite, p, root=root, address=ray, echo=echo, force=force,
-                                                    verbose=verbose, cpus_per_rank=cpus_per_rank)
+        executor = matrix_ray.RayExecutor(ray, echo=echo, verbose=verbose, cpus_per_rank=cpus_per_rank)
+        comparisons, golden_errors = run_plan(suite, p, executor, root=root, echo=echo, force=force, verbose=verbose)
     else:
-        comparisons, golden_errors = _run_sequential(suite, p, root=root, echo=echo, force=force, verbose=verbose)
+        with _Interrupt() as interrupt:
+            executor = executors.SequentialExecutor(echo=echo, verbose=verbose, check=interrupt.check)
+            comparisons, golden_errors = run_plan(suite, p, executor, root=root, echo=echo, force=force,
+                                                  verbose=verbose, check=interrupt.check)
     result = collect(suite, p, comparisons, golden_errors, root=root, strict=strict, baseline=baseline)
     result.seconds = time.perf_counter() - t0
     result.engine_runs = len(led.entries()) - before
     return result
+
+
+def run_plan(suite, p: Plan, executor, *, root: Path, echo: Echo, force: bool, verbose: bool,
+             check: Callable[[], None] = lambda: None):
+    """The plan through `executor`: goldens first (stored as each returns), then the candidates the
+    ledger does not hold (stored as each returns), then every candidate judged from its stored
+    files. Returns (comparisons, golden errors)."""
+    n, k = p.steps, 0
+    golden_errors: dict[str, str] = {}
+    jobs = []
+    for case in p.references:
+        k += 1
+        if workspace.golden_up_to_date(workspace.golden_path(root, case), case):
+            echo(f"case {k} of {n}: golden {case.id} up to date")
+            continue
+        jobs.append(executors.Job(case, f"case {k} of {n}: golden {case.id} ({case.description or 'reference'})"))
+    for case, run, error in executor.goldens(jobs):
+        if error is not None:
+            golden_errors[case.id] = error
+            echo(f"{case.id}: golden failed: {error}")
+            continue
+        echo(f"{case.id}: golden {workspace.store_golden(root, case, run).status}")
+    comparisons: dict[str, Any] = {}
+    jobs, goldens_of = [], {}
+    for case in p.compared:
+        k += 1
+        label = f"case {k} of {n}: {case.id} vs {', '.join(case.references)} ({case.description or 'candidate'})"
+        missing = [r for r in case.references if r in golden_errors]
+        if missing:
+            comparisons[case.id] = comparemod.error_comparison(
+                case, f"golden {missing[0]} failed: {golden_errors[missing[0]]}")
+            continue
+        goldens = {r: workspace.load_golden(root, suite.name, r) for r in case.references}
+        mode, _ = replaymod.mode_for(case, None)
+        forced_along = sessionmod.candidate_references(case, list(case.references))
+        hit = None if force else workspace.cached_candidate(case, forced_along, goldens, root=root, mode=mode)
+        if hit is not None:
+            echo(f"{label}: in the ledger")
+            for line in hit[2]:
+                echo(line)
+            continue
+        goldens_of[case.id] = goldens
+        jobs.append(executors.Job(case, label, ref_cases={r: suite.cases[r] for r in case.references},
+                                  goldens=goldens))
+    for case, result, error in executor.candidates(jobs):
+        if error is not None:
+            echo(f"{case.id}: {error}")
+            comparisons[case.id] = comparemod.error_comparison(case, error)
+            continue
+        workspace.store_candidate(case, result.candidate, result.forced, goldens_of[case.id], root=root)
+        for r, scored in result.scored.items():
+            workspace.store_score(root, r, result.candidate, scored)
+    for case in p.compared:
+        if case.id not in comparisons:
+            comparisons[case.id] = comparemod.compare(suite, case.id, root=root, verbose=verbose, echo=echo,
+                                                      run_file=workspace.candidate_file(root, case), tests=p.tests)
+            check()
+            echo(f"{case.id}: {comparisons[case.id].verdict.name}")
+    return {c.id: comparisons[c.id] for c in p.compared}, golden_errors
 
 
 class _Interrupt:
@@ -229,55 +300,6 @@ class _Interrupt:
             signal.signal(signal.SIGINT, self.previous)
             for s in self.pipe:
                 s.close()
-
-
-def _run_sequential(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool):
-    with _Interrupt() as interrupt:
-        return _steps(suite, p, root=root, echo=echo, force=force, verbose=verbose, interrupt=interrupt)
-
-
-def _steps(suite, p: Plan, *, root: Path, echo: Echo, force: bool, verbose: bool, interrupt: _Interrupt):
-    from diffcheck.core.errors import EngineError
-    from diffcheck.workflows import runner
-
-    n, k = p.steps, 0
-    golden_errors: dict[str, str] = {}
-    for case in p.references:
-        k += 1
-        echo(f"case {k} of {n}: golden {case.id} ({case.description or 'reference'})")
-        try:
-            res = runner.record_golden(case, root=root, verbose=verbose, echo=echo)
-            echo(f"{case.id}: golden {res.status}")
-        except EngineError as exc:
-            interrupt.check()
-            golden_errors[case.id] = exc.message
-            echo(f"{case.id}: golden failed: {exc.message}")
-        interrupt.check()
-    comparisons = {}
-    tests = p.tests
-    for case in p.compared:
-        k += 1
-        echo(f"case {k} of {n}: {case.id} vs {', '.join(case.references)} ({case.description or 'candidate'})")
-        missing = [r for r in case.references if r in golden_errors]
-        if missing:
-            comparisons[case.id] = error_comparison(case, f"golden {missing[0]} failed: {golden_errors[missing[0]]}")
-            continue
-        comparisons[case.id] = runner.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
-                                              tests=tests)
-        interrupt.check()
-        for line in comparisons[case.id].reused:
-            echo(line)
-        echo(f"{case.id}: {comparisons[case.id].verdict.name}")
-    return comparisons, golden_errors
-
-
-def error_comparison(case, message: str):
-    """A comparison that never ran: ERROR against every reference, never a verdict."""
-    from diffcheck.judging import classify
-    from diffcheck.workflows import runner
-
-    verdicts = tuple(classify.error_verdict(case.id, r, message) for r in case.references)
-    return runner.Comparison(verdicts=verdicts, candidate=None, goldens={})
 
 
 # -- the table --------------------------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """``diffcheck matrix --ray [ADDRESS]``: the engine work of a matrix as Ray tasks; the driver alone writes.
 
-Each case is one Ray task with its resources: ``num_gpus`` = TP x PP when the cluster
-has GPUs, else ``num_cpus`` = TP x PP x ``--cpus-per-rank``. A task starts the engine,
-generates (and, for a candidate, teacher-forces along each golden and has the
-reference engine score a candidate that diverged), and returns the `Run` objects.
-Workers write nothing: goldens, runs, the manifest and the SQLite ledger are written by
-the driver, from the runs the tasks return, with the same functions as a sequential
-matrix; a candidate the ledger already holds is not sent at all. Judging runs on the
-driver (`runner.compare` on the stored files: no engine).
+`RayExecutor` runs the matrix's jobs (`diffcheck.workflows.executors`) as Ray tasks,
+one per case, with its resources: ``num_gpus`` = TP x PP when the cluster has GPUs,
+else ``num_cpus`` = TP x PP x ``--cpus-per-rank``. A task starts the engine, generates
+(and, for a candidate, teacher-forces along each golden and has the reference engine
+score a candidate that diverged), and returns the `Run` objects. Workers write nothing:
+the matrix's driver stores what comes back, exactly as it stores the sequential
+executor's results, and judges it from the stored files.
 
 A task that dies (its worker killed, its node lost) is retried once by Ray
 (``max_retries=1``); dying again, the case is reported ERROR, never a verdict. An
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from diffcheck.core.errors import DiffcheckError, EngineError
+from diffcheck.workflows import executors
 
 Echo = Callable[[str], None]
 LOCAL = "local"
@@ -94,37 +94,18 @@ def resources(case, *, gpu: bool, cpus_per_rank: float = 1.0) -> dict[str, float
 
 
 def golden_task(case, verbose: bool = False):
-    """Generate a reference's golden run; returns the Run."""
-    from diffcheck.workflows import runner
-
-    with runner.open_engine(case, verbose=verbose) as engine:
-        run = runner._with_config(engine.generate(), case)
-    return run
+    """A reference's golden run (`executors.golden_job`)."""
+    return executors.golden_job(case, verbose)
 
 
 def candidate_task(case, ref_cases: dict, goldens: dict, verbose: bool = False):
-    """Generate the candidate, force it along each golden, score it where it diverged.
-
-    Returns (candidate, {ref: forced}, {ref: scored}, seconds)."""
+    """`executors.candidate_job` on a worker, scoring included (the driver may hold no engine)."""
     import ray
 
-    from diffcheck.engines import replay as replaymod
-    from diffcheck.workflows import runner
-
-    t0 = time.perf_counter()
     # Goldens come as object refs (put once, shared by every task); refs nested in a dict are not
     # resolved by Ray itself.
     goldens = {r: ray.get(g) if isinstance(g, ray.ObjectRef) else g for r, g in goldens.items()}
-    mode, why = replaymod.mode_for(case, None)
-    references = runner.candidate_references(case, list(ref_cases))
-    cand, forced = runner.generate_candidate(case, references, goldens, mode=mode, why=why, verbose=verbose,
-                                             echo=lambda _: None)
-    scored = {}
-    for ref_id, ref_case in ref_cases.items():
-        if runner._differs(goldens[ref_id], cand):
-            with runner.open_engine(ref_case, verbose=verbose) as engine:
-                scored[ref_id] = engine.score(cand)
-    return cand, forced, scored, time.perf_counter() - t0
+    return executors.candidate_job(case, ref_cases, goldens, verbose)
 
 
 def _error_text(exc: BaseException) -> tuple[str, bool]:
@@ -144,119 +125,54 @@ def _error_text(exc: BaseException) -> tuple[str, bool]:
     return f"{type(cause).__name__}: {first}", False
 
 
-# -- the driver -----------------------------------------------------------------------------------------
+# -- the executor ---------------------------------------------------------------------------------------
 
 
-class _Returned:
-    """What a Ray task returned, in the shape `runner.record_golden` and `runner.score_candidate` take
-    from an `EnginePool`: the runner then stores it exactly as it stores a local engine's run."""
+class RayExecutor:
+    """The matrix's jobs as Ray tasks, each with its resources; results as each task finishes."""
 
-    def __init__(self, run=None, scored=None, seconds: float = 0.0):
-        self.run, self.scored = run, scored
-        self.timings = {"startup_s": 0.0, "generate_s": seconds}
-        self.prompts = run.sequences if run is not None else ()
+    def __init__(self, address: str = LOCAL, *, echo: Echo = print, verbose: bool = False,
+                 cpus_per_rank: float = 1.0):
+        self.echo, self.verbose, self.cpus_per_rank = echo, verbose, cpus_per_rank
+        t0 = time.perf_counter()
+        self.ray = connect(address)
+        echo(f"ray: connected in {time.perf_counter() - t0:.1f}s; cluster {self.ray.cluster_resources()}")
+        self.gpu = self.ray.cluster_resources().get("GPU", 0) > 0
+        self._golden = self.ray.remote(max_retries=TASK_RETRIES, retry_exceptions=False)(golden_task)
+        self._candidate = self.ray.remote(max_retries=TASK_RETRIES, retry_exceptions=False)(candidate_task)
+        self._goldens_put: dict[str, Any] = {}
 
-    def generate(self, **_):
-        return self.run
+    def _options(self, job, name: str) -> dict:
+        opts = resources(job.case, gpu=self.gpu, cpus_per_rank=self.cpus_per_rank)
+        self.echo(f"{job.label} sent as a Ray task ({opts})")
+        return {"name": name, **opts}
 
-    def score(self, candidate, **_):
-        return self.scored
+    def goldens(self, jobs):
+        pending = {self._golden.options(**self._options(j, f"diffcheck-golden-{j.case.id}")).remote(
+            j.case, self.verbose): j.case for j in jobs}
+        yield from self._results(pending)
 
+    def candidates(self, jobs):
+        pending = {}
+        for j in jobs:
+            for r, g in j.goldens.items():
+                if r not in self._goldens_put:
+                    self._goldens_put[r] = self.ray.put(g)
+            task = self._candidate.options(**self._options(j, f"diffcheck-case-{j.case.id}")).remote(
+                j.case, j.ref_cases, {r: self._goldens_put[r] for r in j.goldens}, self.verbose)
+            pending[task] = j.case
+        for case, result, error in self._results(pending):
+            if result is not None:
+                self.echo(f"{case.id}: returned by its Ray task after {result.seconds:.1f}s; stored by the driver")
+            yield case, result, error
 
-class _ReturnedPool:
-    def __init__(self, engine: _Returned):
-        self.engine = engine
-
-    def get(self, case, echo=None):
-        return self.engine
-
-
-def run(suite, p, *, root: Path, address: str = LOCAL, echo: Echo = print, force: bool = False,
-        verbose: bool = False, cpus_per_rank: float = 1.0):
-    """The goldens, then the candidates, as Ray tasks; returns (comparisons, golden errors) like a
-    sequential matrix."""
-    from diffcheck.workflows import matrix as mx
-    from diffcheck.engines import replay as replaymod
-    from diffcheck.workflows import runner
-    from diffcheck.storage import store
-
-    t0 = time.perf_counter()
-    ray = connect(address)
-    echo(f"ray: connected in {time.perf_counter() - t0:.1f}s; cluster {ray.cluster_resources()}")
-    gpu = ray.cluster_resources().get("GPU", 0) > 0
-    remote_golden = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=False)(golden_task)
-    remote_candidate = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=False)(candidate_task)
-    n, k = p.steps, 0
-
-    golden_errors: dict[str, str] = {}
-    pending = {}
-    for case in p.references:
-        k += 1
-        path = store.run_path(root, suite.name, case.id)
-        if runner.golden_up_to_date(path, case):
-            echo(f"case {k} of {n}: golden {case.id} up to date")
-            continue
-        opts = resources(case, gpu=gpu, cpus_per_rank=cpus_per_rank)
-        echo(f"case {k} of {n}: golden {case.id} sent as a Ray task ({opts})")
-        pending[remote_golden.options(name=f"diffcheck-golden-{case.id}", **opts).remote(case, verbose)] = case
-    for ref, case in _as_completed(ray, pending):
-        try:
-            run_obj = ray.get(ref)
-        except Exception as exc:  # a task's failure is the case's ERROR, never the driver's crash
-            golden_errors[case.id], _ = _error_text(exc)
-            echo(f"{case.id}: golden failed: {golden_errors[case.id]}")
-            continue
-        res = runner.record_golden(case, root=root, echo=lambda _: None, pool=_ReturnedPool(_Returned(run_obj)))
-        echo(f"{case.id}: golden {res.status} (from a Ray task)")
-
-    comparisons: dict[str, Any] = {}
-    tests = p.tests
-    pending = {}
-    goldens_ref: dict[str, Any] = {}
-    for case in p.compared:
-        k += 1
-        missing = [r for r in case.references if r in golden_errors]
-        if missing:
-            comparisons[case.id] = mx.error_comparison(case, f"golden {missing[0]} failed: {golden_errors[missing[0]]}")
-            continue
-        goldens = {r: runner.load_golden(root, suite.name, r) for r in case.references}
-        mode, _ = replaymod.mode_for(case, None)
-        refs_forced = runner.candidate_references(case, list(case.references))
-        if not force and runner.cached_candidate(case, refs_forced, goldens, root=root, mode=mode) is not None:
-            echo(f"case {k} of {n}: {case.id} in the ledger: not sent")
-            comparisons[case.id] = None  # judged below from the stored files
-            continue
-        for r, g in goldens.items():
-            if r not in goldens_ref:
-                goldens_ref[r] = ray.put(g)
-        opts = resources(case, gpu=gpu, cpus_per_rank=cpus_per_rank)
-        echo(f"case {k} of {n}: {case.id} sent as a Ray task ({opts})")
-        refs = {r: suite.cases[r] for r in case.references}
-        task = remote_candidate.options(name=f"diffcheck-case-{case.id}", **opts).remote(
-            case, refs, {r: goldens_ref[r] for r in case.references}, verbose)
-        pending[task] = case
-    for ref, case in _as_completed(ray, pending):
-        try:
-            cand, forced, scored, seconds = ray.get(ref)
-        except Exception as exc:
-            message, _ = _error_text(exc)
-            echo(f"{case.id}: {message}")
-            comparisons[case.id] = mx.error_comparison(case, message)
-            continue
-        goldens = {r: runner.load_golden(root, suite.name, r) for r in case.references}
-        runner.store_candidate(case, cand, forced, goldens, root=root)
-        for r, sc in scored.items():
-            runner.score_candidate(suite.cases[r], cand, root=root, echo=lambda _: None,
-                                   pool=_ReturnedPool(_Returned(scored=sc)))
-        echo(f"{case.id}: returned by its Ray task after {seconds:.1f}s; stored by the driver")
-        comparisons[case.id] = None
-    for case in p.compared:
-        if comparisons.get(case.id) is None:
-            run_file = store.run_path(root, suite.name, case.id, kind="generate", role="candidate")
-            comparisons[case.id] = runner.compare(suite, case.id, root=root, run_file=run_file, tests=tests,
-                                                  echo=echo, verbose=verbose)
-            echo(f"{case.id}: {comparisons[case.id].verdict.name}")
-    return {c.id: comparisons[c.id] for c in p.compared}, golden_errors
+    def _results(self, pending: dict):
+        for ref, case in _as_completed(self.ray, pending):
+            try:
+                yield case, self.ray.get(ref), None
+            except Exception as exc:  # a task's failure is the case's ERROR, never the driver's crash
+                message, _ = _error_text(exc)
+                yield case, None, message
 
 
 def _as_completed(ray, pending: dict):

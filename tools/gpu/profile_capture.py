@@ -71,7 +71,7 @@ def _profiled(engine, traces: Path, label: str, run) -> dict:
 
 def main() -> int:
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")
@@ -89,7 +89,7 @@ def main() -> int:
     engine_cfg = dataclasses.replace(case.engine, extra={**case.engine.extra, "profiler_config": profiler})
     case = dataclasses.replace(case, engine=engine_cfg)
 
-    with runner.open_engine(case) as engine:
+    with sessionmod.open_engine(case) as engine:
         engine.generate()  # warm-up: JIT, autotuning and first-call costs stay out of the traces
         engine.time_generate(logprobs=False)
         sides = {"logprobs20": _profiled(engine, traces, "logprobs20", engine.generate),

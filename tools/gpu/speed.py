@@ -57,9 +57,10 @@ def _entry(tokens: int, seconds: list[float], **extra) -> dict:
 
 def measure(case, golden, *, repeats: int) -> dict:
     from diffcheck.engines import replay
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
+    from diffcheck import workspace
 
-    with runner.open_engine(case) as engine:
+    with sessionmod.open_engine(case) as engine:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
                "graph_capture_s": graph_capture_seconds(getattr(engine, "log_path", None)),
                "effective": engine.info().get("effective", {}), "forcing_mechanism": engine.mechanism}
@@ -104,7 +105,8 @@ def _f(value, fmt="{:.0f}") -> str:
 
 def main() -> int:
     from diffcheck import cases
-    from diffcheck.workflows import runner
+    from diffcheck.engines import session as sessionmod
+    from diffcheck import workspace
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="gpu-h200")
@@ -118,7 +120,7 @@ def main() -> int:
     suite = cases.load_suite(args.suite)
     reference = args.reference or next(cid for cid, c in suite.cases.items() if c.role == "reference")
     args.out = args.out or Path("goldens") / suite.name / "speed.json"
-    golden = runner.load_golden(runner.goldens_root(), suite.name, reference)
+    golden = workspace.load_golden(workspace.goldens_root(), suite.name, reference)
     rows = []
     for cid in args.cases.split(","):
         rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats))

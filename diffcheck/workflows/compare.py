@@ -1,0 +1,235 @@
+"""``diffcheck compare``: a candidate judged against its references' goldens and noise floors.
+
+The workflow: the ledger's identical run, or one engine start (generate, then forced
+replay along each golden: `diffcheck.engines.session`); the reference engine's scoring
+of a candidate that diverged; every file written by `diffcheck.workspace`; then the
+pure judge (`diffcheck.judging.classify`) against each reference's floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from diffcheck import cases as casesmod
+from diffcheck import workspace
+from diffcheck.core.errors import ConfigError, DiffcheckError, EngineError
+from diffcheck.core.types import CaseVerdict, Run, Verdict
+from diffcheck.engines import replay as replaymod
+from diffcheck.engines import session as sessionmod
+from diffcheck.judging.align import differs
+from diffcheck.judging.quality import with_quality
+from diffcheck.storage import store
+
+Echo = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    verdicts: tuple[CaseVerdict, ...]
+    candidate: Run | None
+    goldens: dict[str, Run]
+    reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
+    forced: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> forced run, where one exists
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict.worst(v.verdict for v in self.verdicts)
+
+
+def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root: Path, verbose: bool = False,
+                  force: bool = False, echo: Echo = print,
+                  replay: str | None = None) -> tuple[Run, dict[str, Run], list[str]]:
+    """Generate the candidate and teacher-force it along each golden: one engine start.
+
+    An identical earlier run (same config digest, engine, model, goldens, replay mode) is
+    reused from the ledger instead of run again, unless ``force`` (``force`` is about the
+    ledger; the replay mode is ``replay``).
+
+    Forced replay runs only where it is needed (`diffcheck.engines.replay`): a sequence
+    whose sampled tokens equal the golden's has walked the golden's path already, and its
+    forced rows are its own generate rows (reused); a sequence that diverged at t* is
+    replayed from t* only, with prompt + the shared prefix as its prompt, and its rows
+    before t* are its generate rows. The row at t* then comes from a prefill of the last
+    prefix token, not from a decode step. ``replay="full"`` (CLI ``--replay full``, case
+    tag ``replay-full``; automatic for faults that count decode steps) replays every
+    sequence from step 0, for when the decode path at t* matters. ``meta.source`` of each
+    forced run says which sequences were replayed (from which step) and which reused.
+    """
+    mode, why = replaymod.mode_for(case, replay)
+    references = sessionmod.candidate_references(case, references)
+    if not force:
+        hit = workspace.cached_candidate(case, references, goldens, root=root, mode=mode)
+        if hit is not None:
+            return hit
+    echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
+    cand, forced = sessionmod.generate_and_force(case, references, goldens, mode=mode, why=why, verbose=verbose,
+                                                 echo=echo)
+    workspace.store_candidate(case, cand, forced, goldens, root=root)
+    return cand, forced, []
+
+
+def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print,
+                    session: sessionmod.EngineSession | None = None) -> Run:
+    """The reference engine's logprobs of the candidate's tokens (prefill scoring), cached by content."""
+    stored = workspace.stored_score(root, ref_case.id, candidate)
+    if stored is not None:
+        return stored
+    scored = sessionmod.score(ref_case, candidate, session=session, verbose=verbose, echo=echo)
+    return workspace.store_score(root, ref_case.id, candidate, scored)
+
+
+
+
+def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
+            force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
+            tests: int | None = None, replay: str | None = None, own_golden: bool | None = None) -> Comparison:
+    """Judge candidate `case_id` against each of its references' goldens and noise floors.
+
+    `own_golden`: a reference case is also judged against its own stored golden (default:
+    exactly when it has no references): a fresh run with today's code and engine, stored as
+    ``<case>.run.parquet`` (candidate role, never over the golden), forced along the
+    golden, judged against the golden's floor. No scoring there: the engine that would
+    score is the one being checked.
+
+    `run_file`: judge that recorded run (and the forced/scored files beside it)
+    instead of running the engine; a missing scored file is computed with the local
+    reference engine when the golden was recorded on hardware like this one, and the
+    signals the verdict had are always stated. `tests`: how many sequences the whole
+    command judges (multiple-testing correction); default, this comparison's.
+    `replay`: the forced-replay mode (`run_candidate`; default partial).
+    """
+    from diffcheck.engines import models
+    from diffcheck.judging import classify
+
+    case = casesmod.get_case(suite, case_id)
+    references = list(case.references)
+    if own_golden is None:
+        own_golden = case.role == "reference" and not references
+    if own_golden:
+        if case.role != "reference":
+            raise ConfigError(f"{casesmod.display_path(case.source)}: case '{case_id}' is a {case.role}: only a "
+                              "reference has a golden of its own to be judged against")
+        references = [case.id] + [r for r in references if r != case.id]
+    if not references:
+        raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
+    goldens = {r: workspace.load_golden(root, suite.name, r) for r in references}
+    tolerances = classify.Tolerances.from_dict(case.tolerances or {},
+                                               source=f"{case.source}: [cases.{case.id}.tolerances]")
+    reused: list[str] = []
+    if run_file is not None:
+        # Offline re-judging: only recorded files, never an engine.
+        candidate = store.read_run(Path(run_file))
+        folder = Path(run_file).parent
+        forced, scored = {}, {}
+        for r in references:
+            fp = store.run_path(folder.parent, folder.name, case.id, kind="forced", reference=r)
+            sp = store.run_path(folder.parent, folder.name, case.id, kind="scored", reference=r)
+            if fp.exists():
+                forced[r] = store.read_run(fp)
+            if sp.exists():
+                scored[r] = store.read_run(sp)
+            elif r != case.id and differs(goldens[r], candidate):
+                local = _local_engine_note(goldens[r])
+                if local is None:
+                    try:
+                        scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
+                                                    verbose=verbose, echo=echo, session=session)
+                    except EngineError as exc:
+                        echo(f"{case.id}: reference scoring failed ({exc.message}); judged without it")
+                else:
+                    echo(f"{case.id}: no scored file beside {run_file} and {local}: judged without scoring")
+    else:
+        try:
+            candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
+                                                      force=force, echo=echo, replay=replay)
+        except EngineError as exc:
+            verdicts = tuple(classify.error_verdict(case.id, r, exc.message) for r in references)
+            return Comparison(verdicts=verdicts, candidate=None, goldens=goldens)
+        scored = {}
+        for r in references:
+            if r != case.id and differs(goldens[r], candidate):
+                try:
+                    scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
+                                                verbose=verbose, echo=echo, session=session)
+                except EngineError as exc:
+                    echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
+    tok = models.load_tokenizer(case.model)
+    token_text = (lambda t: tok.decode([int(t)])) if tok is not None else None
+    verdicts = []
+    n_tests = tests or sum(len(candidate.sequences) for _ in references)
+    for r in references:
+        floor, notes = workspace.load_floor(root, suite.name, r, goldens[r])
+        for note in notes:
+            echo(note)
+        signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
+                                  if have]
+        lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
+        if r == case.id:
+            lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
+        echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
+        v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
+                                  tolerances=tolerances, candidate_id=case.id, reference_id=r,
+                                  token_text=token_text, floor=floor, tests=n_tests)
+        delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
+        summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}
+        verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary))
+    workspace.set_verdict(root, candidate, Verdict.worst(v.verdict for v in verdicts))
+    return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
+                      forced=dict(forced))
+
+
+def error_comparison(case, message: str) -> Comparison:
+    """A comparison that never ran: ERROR against every reference, never a verdict."""
+    from diffcheck.judging import classify
+
+    verdicts = tuple(classify.error_verdict(case.id, r, message) for r in case.references)
+    return Comparison(verdicts=verdicts, candidate=None, goldens={})
+
+
+def _unavailable_signals(case, ref_case) -> list[str]:
+    """What the engines could not give this comparison: the candidate's forced replay, the reference's scoring."""
+    from diffcheck.engines import registry
+
+    return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
+
+
+def _local_engine_note(golden: Run) -> str | None:
+    """Why the local engine cannot stand in for the golden's reference engine, or None if it can."""
+    gpu = golden.meta.hardware.get("gpu_name")
+    if not gpu:
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    return f"the golden was recorded on {gpu} and this machine has no GPU"
+
+
+def _unavailable_signals(case, ref_case) -> list[str]:
+    """What the engines could not give this comparison: the candidate's forced replay, the reference's scoring."""
+    from diffcheck.engines import registry
+
+    return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
+
+
+def _local_engine_note(golden: Run) -> str | None:
+    """Why the local engine cannot stand in for the golden's reference engine, or None if it can."""
+    gpu = golden.meta.hardware.get("gpu_name")
+    if not gpu:
+        return None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    return f"the golden was recorded on {gpu} and this machine has no GPU"
+
+
