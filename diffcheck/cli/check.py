@@ -51,7 +51,7 @@ def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit
     verbose = ctx.obj.get("verbose", False)
     with progress.display(verbose=verbose) as shown:
         result = checking.run_check(s, root=root, include=set(case_ids) or None, verbose=verbose, force=force,
-                                    replay=replay, echo=shown.log)
+                                    replay=replay, strict=strict, echo=shown.log)
     for comparison in result.comparisons.values():
         for line in comparison.reused:
             echo(line)

@@ -47,6 +47,7 @@ class GoldenMove:
     now: str  # today's engine ("" when it did not run)
     config_changed: bool  # the case's resolved config differs from the golden's
     spec_change: dict = field(default_factory=dict)  # precision-spec keys that differ (dtype, ...)
+    strict: bool = False  # --strict: a precision cost (WITHIN_BUDGET) is not benign either
 
     @property
     def moved(self) -> bool:
@@ -54,7 +55,7 @@ class GoldenMove:
 
     @property
     def benign(self) -> bool:
-        return self.moved and policy.passes(self.verdict)
+        return self.moved and policy.passes(self.verdict, strict=self.strict)
 
     def describe(self, suite: str) -> str:
         engines = (f"recorded with {self.recorded_with}, now {self.now}" if self.now and self.now != self.recorded_with
@@ -70,7 +71,7 @@ class GoldenMove:
             return f"not checked: the engine failed ({how})"
         if not self.moved:
             return f"unchanged ({how})"
-        if self.verdict is Verdict.WITHIN_BUDGET:
+        if self.verdict is Verdict.WITHIN_BUDGET and self.benign:
             return f"moved, benign: a precision change inside its budget ({how}); if intended, accept it with {update}"
         if self.benign:
             return f"moved, benign: inside the noise floor ({how}); accept it with {update}"
@@ -138,18 +139,18 @@ def _engine_label(engine: dict) -> str:
     return label
 
 
-def golden_move(case, comparison: comparemod.Comparison) -> GoldenMove:
+def golden_move(case, comparison: comparemod.Comparison, *, strict: bool = False) -> GoldenMove:
     golden = comparison.goldens[case.id]
     own = next(v for v in comparison.verdicts if v.reference_id == case.id)
     now = _engine_label(comparison.candidate.meta.engine) if comparison.candidate is not None else ""
     spec = (own.summary or {}).get("spec_change") or {}
     return GoldenMove(case_id=case.id, verdict=own.verdict, recorded_with=_engine_label(golden.meta.engine), now=now,
                       config_changed=golden.meta.source.get("config_digest") != casesmod.config_digest(case),
-                      spec_change={k: tuple(v) for k, v in spec.items()})
+                      spec_change={k: tuple(v) for k, v in spec.items()}, strict=strict)
 
 
 def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bool = False, force: bool = False,
-              replay: str | None = None, echo: Echo = print) -> CheckResult:
+              replay: str | None = None, strict: bool = False, echo: Echo = print) -> CheckResult:
     """Judge every chosen case (`plan`); goldens that are missing are refused up front, all at once."""
     chosen, skipped = plan(suite, include=include)
     needed = sorted({r for c in chosen for r in ((c.id,) if c.role == "reference" else ()) + tuple(c.references)})
@@ -171,6 +172,6 @@ def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bo
                                     tests=n_tests, replay=replay, own_golden=case.role == "reference")
         comparisons[case.id] = comparison
         if case.role == "reference":
-            moves.append(golden_move(case, comparison))
+            moves.append(golden_move(case, comparison, strict=strict))
     progress.stage(None)
     return CheckResult(suite=suite.name, comparisons=comparisons, goldens=tuple(moves), skipped=tuple(skipped))
