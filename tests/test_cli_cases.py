@@ -109,3 +109,27 @@ def test_check_without_suites_is_an_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DIFFCHECK_CASES", str(tmp_path / "empty"))
     assert main(["cases", "check"]) == 2
     assert "no suites" in capsys.readouterr().err
+
+
+def test_golden_record_of_a_suite_whose_references_all_need_naming_says_so(tmp_path, capsys):
+    suite = write_suite(tmp_path, {
+        "G": {"role": "reference", "description": "a GPU reference", "tags": ["gpu"]},
+        "S": {"role": "reference", "description": "a slow reference", "tags": ["slow"]},
+    }, name="tagged", description="tiny", model="m", prompts=[{"id": "a", "text": "hello"}])
+    assert main(["golden", "record", "--suite", str(suite), "--goldens", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffcheck: error: ") and len(err.strip().splitlines()) == 1
+    assert "every reference is tagged slow or gpu" in err and "diffcheck golden record G" in err
+    assert not (tmp_path / "g").exists()  # refused before anything is written
+
+
+def test_the_commands_leave_out_the_same_tags():
+    from diffcheck import cases
+    from diffcheck.workflows import check, matrix, selftest
+
+    suite = cases.load_suite("gpu-h200")
+    tagged = {c.id for c in suite.cases.values() if {"slow", "gpu"} & set(c.tags)}
+    assert tagged  # the GPU suite's cases are tagged gpu
+    assert {c for c, _ in check.plan(suite)[1]} >= tagged
+    assert set(matrix.plan(suite).left_out) == tagged
+    assert not {c.id for c in selftest.labelled_cases(suite)} & tagged

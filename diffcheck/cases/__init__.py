@@ -29,12 +29,13 @@ from diffcheck.cases.identity import config_delta, config_digest, resolved_confi
 from diffcheck.cases.loader import cases_dir, get_case, list_suites, load_suite, parse_suite
 from diffcheck.cases.prompts import _read_prompts, load_prompts
 from diffcheck.cases.schema import (CASE_KEYS, CONFIG_KEYS, CUDAGRAPH_MODES, DEFAULT_SUITE, DTYPES, ENGINE_KINDS,
-                                    ENGINE_SPEC, EXPECT_SPEC, EXPECTABLE, KV_CACHE_DTYPES, RESET, SAMPLING_SPEC,
-                                    Case, EngineConfig, Expect, Prompt, Sampling, Suite, display_path)
+                                    ENGINE_SPEC, EXPECT_SPEC, EXPECTABLE, KV_CACHE_DTYPES, NOT_BY_DEFAULT, RESET, SAMPLING_SPEC,
+                                    Case, EngineConfig, Expect, Prompt, Sampling, Suite, display_path,
+                                    not_by_default)
 
 __all__ = [
     "CASE_KEYS", "CONFIG_KEYS", "CUDAGRAPH_MODES", "DEFAULT_SUITE", "DTYPES", "ENGINE_KINDS", "ENGINE_SPEC",
-    "EXPECT_SPEC", "EXPECTABLE", "KV_CACHE_DTYPES", "RESET", "SAMPLING_SPEC", "Case", "EngineConfig", "Expect",
+    "EXPECT_SPEC", "EXPECTABLE", "KV_CACHE_DTYPES", "NOT_BY_DEFAULT", "RESET", "SAMPLING_SPEC", "Case", "EngineConfig", "Expect",
     "Prompt", "Sampling", "Suite", "cases_dir", "config_delta", "config_digest", "display_path", "get_case",
-    "list_suites", "load_prompts", "load_suite", "parse_suite", "resolved_config", "_read_prompts",
+    "list_suites", "load_prompts", "load_suite", "not_by_default", "parse_suite", "resolved_config", "_read_prompts",
 ]

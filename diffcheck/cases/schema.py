@@ -21,6 +21,8 @@ from diffcheck.core.types import ROLES, Verdict
 
 DEFAULT_SUITE = "default"
 RESET = "default"  # the value that resets an inherited sampling/engine key
+# Cases with one of these tags run only when named (by id): too slow for a 2-core CPU, or needing a GPU.
+NOT_BY_DEFAULT = ("slow", "gpu")
 EXPECTABLE = ("IDENTICAL", "BENIGN_DRIFT", "WITHIN_BUDGET", "DEGRADED", "GIBBERISH")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -370,3 +372,8 @@ def _digest(value: Any) -> str:
 
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return blake3.blake3(text.encode("utf-8")).hexdigest()
+
+
+def not_by_default(case) -> tuple[str, ...]:
+    """The tags that keep `case` out of a command unless it is named (`NOT_BY_DEFAULT`); () if none."""
+    return tuple(t for t in NOT_BY_DEFAULT if t in case.tags)

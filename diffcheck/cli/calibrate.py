@@ -48,7 +48,7 @@ def calibrate(ctx, case_ids, suite, goldens, add, description):
         click.echo(f"added {path}")
         return 0
     wanted = list(case_ids) or sorted({r for c in s.cases.values() if c.role == "candidate"
-                                       and not {"slow", "gpu"} & set(c.tags) for r in c.references})
+                                       and not cases.not_by_default(c) for r in c.references})
     for ref_id in wanted:
         case = cases.get_case(s, ref_id)
         if case.role != "reference":

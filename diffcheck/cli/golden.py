@@ -34,10 +34,16 @@ def record(ctx, case_ids, suite, goldens, update, force, check_determinism):
 
     from diffcheck import api, cases
     from diffcheck.core import progress
+    from diffcheck.core.errors import ConfigError
     from diffcheck import workspace
 
     s = cases.load_suite(suite)
-    ids = list(case_ids) or [c.id for c in s.cases.values() if c.role == "reference" and "slow" not in c.tags]
+    references = [c for c in s.cases.values() if c.role == "reference"]
+    ids = list(case_ids) or [c.id for c in references if not cases.not_by_default(c)]
+    if not ids:
+        raise ConfigError(f"{cases.display_path(s.path)}: no reference runs by default (every reference is tagged "
+                          f"{' or '.join(cases.NOT_BY_DEFAULT)}); name the ones to record, e.g. "
+                          f"`diffcheck golden record {references[0].id if references else 'ID'} --suite {suite}`")
     todo = [cases.get_case(s, i) for i in ids]
     root = workspace.goldens_root(goldens)
     rows = []

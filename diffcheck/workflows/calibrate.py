@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from diffcheck import cases as casesmod
 from diffcheck import workspace
 from diffcheck.core import progress
 from diffcheck.core.errors import DataError
@@ -47,7 +48,7 @@ PERTURBATIONS = (
 )
 
 
-def perturbations_for(suite, reference_id: str, *, exclude_tags=("slow", "gpu")) -> tuple[Perturbation, ...]:
+def perturbations_for(suite, reference_id: str, *, exclude_tags=casesmod.NOT_BY_DEFAULT) -> tuple[Perturbation, ...]:
     """The default perturbations, plus one per tensor-parallel size that a candidate of the
     suite judged against this reference runs at: parallelism changes the reduction order,
     so a TP candidate is judged against a floor that covers its TP size too.

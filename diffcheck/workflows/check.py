@@ -34,7 +34,6 @@ from diffcheck.storage import store
 from diffcheck.core.types import CaseVerdict, Verdict
 
 Echo = Callable[[str], None]
-SKIP_TAGS = ("slow", "gpu")
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ def plan(suite, *, include: set[str] | None = None) -> tuple[list, list[tuple[st
             if case.id in include:
                 chosen.append(case)
             continue
-        tags = sorted(set(SKIP_TAGS) & set(case.tags))
+        tags = casesmod.not_by_default(case)
         exp = case.expect
         if tags:
             skipped.append((case.id, f"tagged {', '.join(tags)} (name it with --case to check it)"))

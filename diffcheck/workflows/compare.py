@@ -85,7 +85,8 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
-            tests: int | None = None, replay: str | None = None, own_golden: bool | None = None) -> Comparison:
+            tests: int | None = None, replay: str | None = None, own_golden: bool | None = None,
+            view: Callable[[Run], Run] | None = None) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
 
     `own_golden`: a reference case is also judged against its own stored golden (default:
@@ -100,6 +101,9 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     signals the verdict had are always stated. `tests`: how many sequences the whole
     command judges (multiple-testing correction); default, this comparison's.
     `replay`: the forced-replay mode (`run_candidate`; default partial).
+    `view`: the candidate is judged against ``view(golden)`` of each reference (a probe of
+    `diffcheck reduce`: the golden cut to the probe's prompts and steps, `judging.align.prefix_view`);
+    each floor is still the full golden's.
     """
     from diffcheck.engines import models
     from diffcheck.judging import classify
@@ -115,7 +119,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
         references = [case.id] + [r for r in references if r != case.id]
     if not references:
         raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
-    goldens = {r: workspace.load_golden(root, suite.name, r) for r in references}
+    full = {r: workspace.load_golden(root, suite.name, r) for r in references}
+    goldens = {r: view(g) for r, g in full.items()} if view is not None else full
     tolerances = classify.Tolerances.from_dict(case.tolerances or {},
                                                source=f"{case.source}: [cases.{case.id}.tolerances]")
     reused: list[str] = []
@@ -161,7 +166,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     verdicts = []
     n_tests = tests or sum(len(candidate.sequences) for _ in references)
     for r in references:
-        floor, notes = workspace.load_floor(root, suite.name, r, goldens[r])
+        floor, notes = workspace.load_floor(root, suite.name, r, full[r])
         for note in notes:
             echo(note)
         signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
@@ -209,27 +214,3 @@ def _local_engine_note(golden: Run) -> str | None:
     except ImportError:
         pass
     return f"the golden was recorded on {gpu} and this machine has no GPU"
-
-
-def _unavailable_signals(case, ref_case) -> list[str]:
-    """What the engines could not give this comparison: the candidate's forced replay, the reference's scoring."""
-    from diffcheck.engines import registry
-
-    return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
-
-
-def _local_engine_note(golden: Run) -> str | None:
-    """Why the local engine cannot stand in for the golden's reference engine, or None if it can."""
-    gpu = golden.meta.hardware.get("gpu_name")
-    if not gpu:
-        return None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    except ImportError:
-        pass
-    return f"the golden was recorded on {gpu} and this machine has no GPU"
-
-

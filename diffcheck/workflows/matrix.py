@@ -46,7 +46,6 @@ from diffcheck.workflows import compare as comparemod
 from diffcheck.workflows import executors
 
 Echo = Callable[[str], None]
-EXCLUDED_TAGS = ("slow", "gpu")
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def plan(suite, ids: tuple[str, ...] | list[str] = ()) -> Plan:
         chosen = [casesmod.get_case(suite, i) for i in dict.fromkeys(ids)]
         left_out: list[str] = []
     else:
-        chosen = [c for c in suite.cases.values() if not any(t in c.tags for t in EXCLUDED_TAGS)]
+        chosen = [c for c in suite.cases.values() if not casesmod.not_by_default(c)]
         left_out = [c.id for c in suite.cases.values() if c not in chosen]
     need = {r for c in chosen for r in c.references} | {c.id for c in chosen if c.role == "reference"}
     references = tuple(c for c in suite.cases.values() if c.id in need and c.role == "reference")

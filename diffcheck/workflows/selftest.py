@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diffcheck import cases as casesmod
 from diffcheck.core.types import fails
 from diffcheck.core.types import Verdict
 
@@ -45,7 +46,7 @@ class Outcome:
     evidence: str
 
 
-def labelled_cases(suite, *, include=None, exclude_tags=("slow", "gpu")):
+def labelled_cases(suite, *, include=None, exclude_tags=casesmod.NOT_BY_DEFAULT):
     chosen = []
     for case in suite.cases.values():
         if case.expect is None or not case.references:
