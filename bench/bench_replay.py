@@ -194,7 +194,7 @@ def main(case_ids: tuple[str, ...] = CASES, rounds: int = 2) -> dict:
     from diffcheck import cases
     from diffcheck.engines import session as sessionmod
     from diffcheck import workspace
-    from diffcheck.workflows.calibrate import load_floor
+    from diffcheck.workspace import load_floor
 
     root = workspace.goldens_root()
     suite = cases.load_suite(SUITE)

@@ -104,7 +104,7 @@ def _verdicts(result: dict) -> list[str]:
 def gpu_section() -> list[str]:
     from diffcheck import cases
     from diffcheck.judging.classify import compare_runs
-    from diffcheck.workflows.calibrate import load_floor
+    from diffcheck.workspace import load_floor
     from diffcheck.storage import store
 
     suite = cases.load_suite(ROOT / "cases" / "gpu-h200.toml")
