@@ -362,8 +362,8 @@ def test_case_verdict_is_the_worst_and_summary_counts():
     case = compare_runs(r["reference"], r["candidate"], scored=r["scored"], forced=r["forced"],
                         candidate_id="cand", reference_id="ref")
     assert case.verdict is Verdict.GIBBERISH
-    assert case.summary["counts"] == {"IDENTICAL": 1, "BENIGN_DRIFT": 1, "WITHIN_BUDGET": 0, "DEGRADED": 0,
-                                      "GIBBERISH": 1, "ERROR": 0}
+    assert case.summary["counts"] == {"IDENTICAL": 1, "BENIGN_DRIFT": 1, "WITHIN_BUDGET": 0, "INCONCLUSIVE": 0,
+                                      "DEGRADED": 0, "GIBBERISH": 1, "ERROR": 0}
     assert case.summary["n_same_context"] == 60 + 10 + 10
     for key in ("kl_mean", "kl_mean_se", "kl_max", "kl_p99_9", "kl_p99", "kl_p95", "kl_p90", "kl_p50",
                 "same_top1", "dp_rms", "dp_p50"):

@@ -129,7 +129,8 @@ def test_table_renders_every_verdict_with_footer_and_no_escape_codes():
     for verdict in Verdict:
         assert verdict.name in out
     assert "\x1b[" not in out  # not a terminal: plain text for CI logs
-    assert "p5" in out and "error evidence for seq 5" in out
+    e = ALL.index(Verdict.ERROR)
+    assert f"p{e}" in out and f"error evidence for seq {e}" in out
     assert "exact match would say: FAIL" in out
     assert "check_logprobs_close would say: FAIL" in out
     assert "engine.kv_cache_dtype: 'auto' -> 'fp8_e5m2'" in out
@@ -199,14 +200,15 @@ def test_json_round_trips_with_documented_keys(tmp_path):
     }
     assert case["config_delta"] == {"engine.kv_cache_dtype": {"reference": "auto", "candidate": "fp8_e5m2"}}
     assert case["baselines"] == {"exact_match": False, "check_logprobs_close": False}
-    sequence = case["sequences"][4]
+    g = ALL.index(Verdict.GIBBERISH)
+    sequence = case["sequences"][g]
     assert set(sequence) == {
         "index", "prompt_id", "verdict", "t_star", "onset", "shared_prefix", "reference_len", "candidate_len",
         "evidence", "stats", "baselines", "quality", "series",
     }
     assert (sequence["verdict"], sequence["t_star"], sequence["onset"]) == ("GIBBERISH", 20, 30)
     assert case["sequences"][0]["t_star"] is None
-    assert sequence["evidence"][0] == "gibberish evidence for seq 4"
+    assert sequence["evidence"][0] == f"gibberish evidence for seq {g}"
     assert sequence["stats"]["nan_stat"] is None
     kl = sequence["series"]["forced_kl"]
     assert len(kl) == 64 and kl[5] is None and isinstance(kl[40], float) and kl[40] > 2.9
@@ -232,15 +234,20 @@ def _junit(tmp_path, cases, **kw):
 def test_junit_counts_failures_errors_and_passing_output(tmp_path):
     cases = [make_case(*ALL), make_case(Verdict.GIBBERISH, Verdict.IDENTICAL, candidate_id="O-b")]
     root, suites = _junit(tmp_path, cases)
-    # failures: DEGRADED and GIBBERISH of the first case, GIBBERISH of the second; ERROR is an error
-    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("8", "3", "1")
+    # failures: DEGRADED and GIBBERISH of the first case, GIBBERISH of the second; ERROR is an error;
+    # INCONCLUSIVE is skipped (not judged), never passed
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == (
+        str(len(ALL) + 2), "3", "1", "1")
     assert [s.get("name") for s in suites] == ["O-fp8 vs O-eager", "O-b vs O-eager"]
     testcases = suites[0].findall("testcase")
     assert [t.get("name") for t in testcases] == [f"seq{i} p{i}" for i in range(len(ALL))]
     by_verdict = dict(zip(Verdict, testcases))
-    assert by_verdict[Verdict.GIBBERISH].find("failure").get("message") == "gibberish evidence for seq 4"
-    assert by_verdict[Verdict.DEGRADED].find("failure").get("message") == "degraded evidence for seq 3"
-    assert by_verdict[Verdict.ERROR].find("error").get("message") == "error evidence for seq 5"
+    for v, outcome in ((Verdict.GIBBERISH, "failure"), (Verdict.DEGRADED, "failure"), (Verdict.ERROR, "error"),
+                       (Verdict.INCONCLUSIVE, "skipped")):
+        child = by_verdict[v].find(outcome)
+        assert child.get("message") == f"{v.name.lower()} evidence for seq {ALL.index(v)}" and child.get("type") == v.name
+    assert by_verdict[Verdict.INCONCLUSIVE].find("failure") is None
+    assert suites[0].get("skipped") == "1"
     budget = by_verdict[Verdict.WITHIN_BUDGET]
     assert budget.find("failure") is None and "within_budget evidence" in budget.find("system-out").text
     assert list(by_verdict[Verdict.IDENTICAL]) == []

@@ -17,7 +17,7 @@ import threading
 import click
 
 from diffcheck import __version__
-from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION, EXIT_USAGE, DiffcheckError
+from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_INCONCLUSIVE, EXIT_PASS, EXIT_REGRESSION, EXIT_USAGE, DiffcheckError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "init": ("diffcheck.cli.init", "Scaffold cases/ (a starter suite) and goldens/ in this repository."),
@@ -69,8 +69,9 @@ class LazyGroup(click.Group):
 HELP = f"""Golden-output differential testing for LLM inference engines.
 
 Exit codes: {EXIT_PASS} pass, {EXIT_REGRESSION} regression found, {EXIT_USAGE} usage/config/data error,
-{EXIT_ENGINE} engine failure ({EXIT_BISECT_SKIP} instead with --bisect-codes), 130 interrupted. Which
-verdicts pass, with and without --strict: docs/verdicts.md.
+{EXIT_ENGINE} engine failure, {EXIT_INCONCLUSIVE} inconclusive (the evidence decided nothing; 0 with
+--allow-inconclusive; both {EXIT_BISECT_SKIP} instead with --bisect-codes), 130 interrupted. Which verdicts
+pass, with and without --strict: docs/verdicts.md.
 """
 
 

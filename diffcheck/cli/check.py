@@ -16,13 +16,14 @@ Examples:
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these cases (repeatable); tagged and labelled cases too.")
 @click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
+@click.option("--allow-inconclusive", is_flag=True, help="Accept an INCONCLUSIVE verdict (too little evidence to decide) as a pass.")
 @click.option("--force", is_flag=True, help="Run the engines even where the ledger holds identical runs.")
 @click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
               help="Forced replay mode, as for `diffcheck compare`.")
 @output_option("--json", help="Write every verdict and the goldens' moves as JSON.")
 @output_option("--junit", help="Write a JUnit XML report.")
 @click.pass_context
-def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit_path):
+def check(ctx, suite, goldens, case_ids, strict, allow_inconclusive, force, replay, json_path, junit_path):
     """Check the whole suite the way CI wants it, with one exit code.
 
     Every reference is re-run with today's code and engine and judged against its own
@@ -55,7 +56,9 @@ def check(ctx, suite, goldens, case_ids, strict, force, replay, json_path, junit
     for comparison in result.comparisons.values():
         for line in comparison.reused:
             echo(line)
-    code = result.exit_code(strict=strict)
+    from diffcheck.core.types import exit_code
+
+    code = exit_code(result.verdict, strict=strict, allow_inconclusive=allow_inconclusive)
     meta = {"suite": s.name, "command": "diffcheck check", "strict": strict,
             "goldens": [{"case": m.case_id, "verdict": m.verdict.name, "moved": m.moved, "benign": m.benign,
                          "recorded_with": m.recorded_with, "now": m.now, "config_changed": m.config_changed,

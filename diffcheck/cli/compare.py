@@ -21,8 +21,9 @@ Examples:
 @output_option("--junit", help="Write a JUnit XML report.")
 @output_option("--html", help="Write a self-contained HTML report.")
 @click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
+@click.option("--allow-inconclusive", is_flag=True, help="Accept an INCONCLUSIVE verdict (too little evidence to decide) as a pass.")
 @click.option("--force", is_flag=True, help="Run the engine even if the ledger holds an identical run.")
-@click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure (for `git bisect run`).")
+@click.option("--bisect-codes", is_flag=True, help="Exit 125 instead of 3 on engine failure or 4 on INCONCLUSIVE (for `git bisect run`: skip).")
 @click.option("--replay", type=click.Choice(["partial", "full"]), default=None,
               help="Forced replay: only diverged sequences from their t* (partial), or every sequence from step 0 "
                    "(full; when the decode path at t* matters). Default: partial, full for a case tagged "
@@ -31,8 +32,8 @@ Examples:
               help="A reference case: also judge a fresh run against its own golden (automatic for a reference "
                    "without references).")
 @click.pass_context
-def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, force, bisect_codes,
-            replay, own_golden):
+def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, allow_inconclusive,
+            force, bisect_codes, replay, own_golden):
     """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
 
     A reference case (J) is re-run with today's code and engine and judged against its own
@@ -88,4 +89,5 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
                                               strict=strict, notes=notes))
     from diffcheck.core.types import exit_code
 
-    return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes)
+    return exit_code(comparison.verdict, strict=strict, bisect_codes=bisect_codes,
+                     allow_inconclusive=allow_inconclusive)

@@ -29,10 +29,11 @@ Examples:
 @click.option("--cpus-per-rank", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="With --ray: CPUs a CPU case reserves per tensor/pipeline-parallel rank.")
 @click.option("--strict", is_flag=True, help="A precision cost (WITHIN_BUDGET) fails too.")
+@click.option("--allow-inconclusive", is_flag=True, help="Accept an INCONCLUSIVE verdict (too little evidence to decide) as a pass.")
 @click.option("--force", is_flag=True, help="Run every candidate again even when the ledger holds an identical run.")
 @click.pass_context
 def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_path, outcomes_path, baseline,
-           ray_address, cpus_per_rank, strict, force):
+           ray_address, cpus_per_rank, strict, allow_inconclusive, force):
     """Run a suite's matrix: goldens first, then every candidate against its references.
 
     Without CASE_IDS, every case of the suite except those tagged slow or gpu. Each run
@@ -88,4 +89,4 @@ def matrix(ctx, case_ids, suite, goldens, md_path, json_path, junit_path, html_p
         return 0
     from diffcheck.core.types import exit_code
 
-    return exit_code(result.verdict, strict=strict)
+    return exit_code(result.verdict, strict=strict, allow_inconclusive=allow_inconclusive)

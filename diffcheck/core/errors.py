@@ -11,6 +11,7 @@ EXIT_PASS = 0
 EXIT_REGRESSION = 1
 EXIT_USAGE = 2
 EXIT_ENGINE = 3
+EXIT_INCONCLUSIVE = 4  # the evidence could not decide pass or fail (`diffcheck.core.types`)
 EXIT_BISECT_SKIP = 125
 
 

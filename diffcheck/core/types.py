@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_PASS, EXIT_REGRESSION
+from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_INCONCLUSIVE, EXIT_PASS, EXIT_REGRESSION
 
 RUN_KINDS = ("generate", "forced", "scored")
 ROLES = ("reference", "candidate")
@@ -148,9 +148,10 @@ class Verdict(enum.Enum):
     IDENTICAL = 0
     BENIGN_DRIFT = 1
     WITHIN_BUDGET = 2  # a spec-changing candidate's precision cost, inside its budget
-    DEGRADED = 3
-    GIBBERISH = 4
-    ERROR = 5
+    INCONCLUSIVE = 3  # the evidence shows neither a pass nor a failure (never a pass)
+    DEGRADED = 4
+    GIBBERISH = 5
+    ERROR = 6
 
     @property
     def severity(self) -> int:
@@ -214,13 +215,25 @@ class CaseVerdict:
 #
 # | verdict        | meaning                                                              | exit |
 # |----------------|----------------------------------------------------------------------|------|
-# | IDENTICAL      | same tokens, distributions within the noise floor                    | 0    |
-# | BENIGN_DRIFT   | diverged, but within the floor (sampling flips included)              | 0    |
+# | IDENTICAL      | same tokens, distributions shown within the noise floor              | 0    |
+# | BENIGN_DRIFT   | diverged, but shown within the floor (sampling flips included)        | 0    |
 # | WITHIN_BUDGET  | spec-changing candidate (dtype, KV-cache dtype, quantization, model)  | 0    |
 # |                | beyond the floor, but its precision cost is inside its budget         | 1 with --strict |
+# | INCONCLUSIVE   | the evidence shows neither: too few same-context steps, a confidence  | 4 (0 with --allow-inconclusive; |
+# |                | bound across the margin, or generate-only garbage the floor explains  | 125 with --bisect-codes) |
 # | DEGRADED       | beyond the floor (or the budget), not garbage                         | 1    |
 # | GIBBERISH      | garbage, with its onset step                                          | 1    |
 # | ERROR          | the engine failed: never a verdict on the candidate                   | 3 (125 with --bisect-codes) |
+#
+# INCONCLUSIVE is not a pass: a CI job that reads exit 0 as "fine" must not be told
+# "fine" when nothing was shown, so it exits 4 (its own code, not 1: nothing was found
+# wrong either). Under `git bisect run` it maps to 125, "skip": the commit could not be
+# judged, which is git bisect's own meaning of 125. `--allow-inconclusive` is for a user
+# who accepts it: then it exits 0 (passes) and bisect counts it as good.
+#
+# Severity: INCONCLUSIVE sits above every pass and below DEGRADED, so a case with one
+# INCONCLUSIVE sequence among passes is INCONCLUSIVE, and one DEGRADED sequence beside an
+# INCONCLUSIVE one makes the case DEGRADED (a shown failure outranks an undecided one).
 #
 # Usage, configuration and data errors exit 2 (`diffcheck.core.errors`). A case's verdict
 # is its worst sequence's; a command's, its worst case's.
@@ -229,26 +242,38 @@ PASSING = frozenset({Verdict.IDENTICAL, Verdict.BENIGN_DRIFT, Verdict.WITHIN_BUD
 STRICT_PASSING = frozenset({Verdict.IDENTICAL, Verdict.BENIGN_DRIFT})
 
 
-def passes(verdict: Verdict, *, strict: bool = False) -> bool:
-    """True when `verdict` is a pass; with `strict`, a precision cost (WITHIN_BUDGET) fails too."""
+def passes(verdict: Verdict, *, strict: bool = False, allow_inconclusive: bool = False) -> bool:
+    """True when `verdict` is a pass; with `strict`, a precision cost (WITHIN_BUDGET) fails too;
+    with `allow_inconclusive`, an INCONCLUSIVE verdict is accepted as a pass."""
+    if verdict is Verdict.INCONCLUSIVE:
+        return allow_inconclusive
     return verdict in (STRICT_PASSING if strict else PASSING)
 
 
-def fails(verdict: Verdict, *, strict: bool = False) -> bool:
-    """A regression found in the candidate (never ERROR: an engine failure is no verdict)."""
-    return verdict is not Verdict.ERROR and not passes(verdict, strict=strict)
+def fails(verdict: Verdict, *, strict: bool = False, allow_inconclusive: bool = False) -> bool:
+    """A regression found in the candidate, or (unless allowed) a verdict that could not be shown
+    to pass. Never ERROR: an engine failure is no verdict."""
+    return verdict is not Verdict.ERROR and not passes(verdict, strict=strict, allow_inconclusive=allow_inconclusive)
 
 
-def exit_code(verdict: Verdict, *, strict: bool = False, bisect_codes: bool = False) -> int:
-    """0 pass, 1 regression, 3 engine failure (125 under `git bisect run`: skip this commit)."""
+def exit_code(verdict: Verdict, *, strict: bool = False, bisect_codes: bool = False,
+              allow_inconclusive: bool = False) -> int:
+    """0 pass, 1 regression, 3 engine failure, 4 inconclusive (125 for both under
+    `git bisect run`: skip this commit; 0 for inconclusive with `allow_inconclusive`)."""
     if verdict is Verdict.ERROR:
         return EXIT_BISECT_SKIP if bisect_codes else EXIT_ENGINE
-    return EXIT_PASS if passes(verdict, strict=strict) else EXIT_REGRESSION
+    if verdict is Verdict.INCONCLUSIVE and not allow_inconclusive:
+        return EXIT_BISECT_SKIP if bisect_codes else EXIT_INCONCLUSIVE
+    return EXIT_PASS if passes(verdict, strict=strict, allow_inconclusive=allow_inconclusive) else EXIT_REGRESSION
 
 
-def describe(*, strict: bool = False) -> str:
+def describe(*, strict: bool = False, allow_inconclusive: bool = False) -> str:
     """One line for --help texts: what passes."""
     ok = sorted(STRICT_PASSING if strict else PASSING, key=lambda v: v.value)
+    if allow_inconclusive:
+        ok.append(Verdict.INCONCLUSIVE)
+    inconclusive = ("" if allow_inconclusive else
+                    f"{EXIT_INCONCLUSIVE} on INCONCLUSIVE (125 with --bisect-codes: git bisect's skip); ")
     return (f"Exit 0 when every sequence is {', '.join(v.name for v in ok)}; 1 on "
-            f"{'WITHIN_BUDGET, ' if strict else ''}DEGRADED or GIBBERISH; 3 on engine failure "
+            f"{'WITHIN_BUDGET, ' if strict else ''}DEGRADED or GIBBERISH; {inconclusive}3 on engine failure "
             "(125 with --bisect-codes); 2 on bad input.")

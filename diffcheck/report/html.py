@@ -57,6 +57,7 @@ VERDICT_COLOURS = {
     Verdict.IDENTICAL: "#1b7f3b",
     Verdict.BENIGN_DRIFT: "#0b7285",
     Verdict.WITHIN_BUDGET: "#8a6d00",
+    Verdict.INCONCLUSIVE: "#5c5f66",
     Verdict.DEGRADED: "#c45500",
     Verdict.GIBBERISH: "#c00000",
     Verdict.ERROR: "#862e9c",

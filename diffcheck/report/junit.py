@@ -9,6 +9,11 @@ one ``<testcase>`` per sequence (``classname`` = the candidate id, ``name`` =
 - IDENTICAL, BENIGN_DRIFT: passed.
 - WITHIN_BUDGET: passed, with the evidence in ``<system-out>``; a ``<failure>``
   instead when ``strict=True`` (the one policy, `diffcheck.core.types.passes`).
+- INCONCLUSIVE: ``<skipped>`` (type INCONCLUSIVE, message = what would decide it),
+  never "passed": JUnit counts it apart from passes and failures, and the command's
+  exit code (4, or 0 with --allow-inconclusive: the one policy) is what gates CI. A
+  skip and not a failure, because nothing was found wrong either: the sequence was
+  not judged, as a test whose precondition is missing is not run.
 - DEGRADED, GIBBERISH: ``<failure>``, message = the first evidence string.
 - ERROR: ``<error>``, message = the first evidence string or the case's error.
   A case that is ERROR with no sequences (the engine never produced any) gets
@@ -46,7 +51,7 @@ def _message(sequence: SequenceVerdict, fallback: str) -> str:
 
 
 def _testcase(parent: ET.Element, case: CaseVerdict, sequence: SequenceVerdict, *, strict: bool) -> str:
-    """Append one testcase; returns its outcome: "passed", "failure" or "error"."""
+    """Append one testcase; returns its outcome: "passed", "skipped", "failure" or "error"."""
     element = ET.SubElement(
         parent,
         "testcase",
@@ -61,6 +66,10 @@ def _testcase(parent: ET.Element, case: CaseVerdict, sequence: SequenceVerdict, 
         )
         child.text = _details(sequence)
         return "error"
+    if verdict is Verdict.INCONCLUSIVE:
+        child = ET.SubElement(element, "skipped", message=_message(sequence, verdict.name), type=verdict.name)
+        child.text = _details(sequence)
+        return "skipped"
     if fails(verdict, strict=strict):
         child = ET.SubElement(element, "failure", message=_message(sequence, verdict.name), type=verdict.name)
         child.text = _details(sequence)
@@ -81,7 +90,7 @@ def _suite(root: ET.Element, case: CaseVerdict, *, strict: bool) -> dict[str, in
         path, _, change = line.partition(": ")
         ET.SubElement(properties, "property", name=printable(f"config_delta.{path}"), value=printable(change))
 
-    counts = {"tests": 0, "failures": 0, "errors": 0}
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     outcomes = [_testcase(suite, case, s, strict=strict) for s in case.sequences]
     if case.verdict is Verdict.ERROR and not case.sequences:
         element = ET.SubElement(suite, "testcase", classname=printable(case.candidate_id), name="engine", time="0")
@@ -91,17 +100,18 @@ def _suite(root: ET.Element, case: CaseVerdict, *, strict: bool) -> dict[str, in
     counts["tests"] = len(outcomes)
     counts["failures"] = outcomes.count("failure")
     counts["errors"] = outcomes.count("error")
+    counts["skipped"] = outcomes.count("skipped")
     suite.set("tests", str(counts["tests"]))
     suite.set("failures", str(counts["failures"]))
     suite.set("errors", str(counts["errors"]))
-    suite.set("skipped", "0")
+    suite.set("skipped", str(counts["skipped"]))
     suite.set("time", "0")
     return counts
 
 
 def junit_tree(verdicts: Iterable[CaseVerdict], *, strict: bool = False, name: str = "diffcheck") -> ET.ElementTree:
     root = ET.Element("testsuites", name=name)
-    totals = {"tests": 0, "failures": 0, "errors": 0}
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for case in verdicts:
         for key, n in _suite(root, case, strict=strict).items():
             totals[key] += n

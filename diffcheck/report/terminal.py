@@ -33,6 +33,7 @@ VERDICT_STYLES = {
     Verdict.IDENTICAL: "green",
     Verdict.BENIGN_DRIFT: "cyan",
     Verdict.WITHIN_BUDGET: "yellow",
+    Verdict.INCONCLUSIVE: "bold blue",
     Verdict.DEGRADED: "bold dark_orange",
     Verdict.GIBBERISH: "bold red",
     Verdict.ERROR: "bold magenta",
