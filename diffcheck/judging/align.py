@@ -149,3 +149,41 @@ def differs(golden: Run, candidate: Run) -> bool:
     if [s.n_tokens for s in golden.sequences] != [s.n_tokens for s in candidate.sequences]:
         return True
     return not np.array_equal(golden.steps.token_id, candidate.steps.token_id)
+
+
+def prefix_view(run: Run, prompt_ids, max_tokens: int | None = None, *, decode=None) -> Run:
+    """`run` cut down to the sequences of `prompt_ids` (in that order) and each one's first
+    `max_tokens` steps: what the run would have been on fewer prompts and fewer decode steps.
+
+    For judging a smaller case (a probe of `diffcheck reduce`) against a golden of the larger
+    one. A sequence that is cut gets finish_reason ``"length"`` and the text ``decode(tokens)``
+    (`decode`: token ids -> text; without it, an empty text). A prompt id the run does not
+    have is a DataError.
+    """
+    import dataclasses
+
+    index = {s.prompt_id: i for i, s in enumerate(run.sequences)}
+    missing = [p for p in prompt_ids if p not in index]
+    if missing:
+        raise DataError(f"run {run.meta.case_id!r} has no sequence for prompt {missing[0]!r} "
+                        f"(it has {', '.join(index)})")
+    off = run.offsets()
+    rows, seqs = [], []
+    for new, pid in enumerate(prompt_ids):
+        i = index[pid]
+        info = run.sequences[i]
+        n = info.n_tokens if max_tokens is None else min(info.n_tokens, int(max_tokens))
+        rows.append(np.arange(off[i], off[i] + n, dtype=np.int64))
+        if n < info.n_tokens:
+            tokens = run.steps.token_id[off[i]:off[i] + n]
+            text = decode([int(t) for t in tokens]) if decode is not None else ""
+            info = dataclasses.replace(info, n_tokens=n, text=text, finish_reason="length")
+        seqs.append((new, info))
+    take = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    st = run.steps
+    seq_col = np.concatenate([np.full(len(r), new, np.int32) for (new, _), r in zip(seqs, rows)]) if rows \
+        else np.zeros(0, np.int32)
+    steps = dataclasses.replace(st, seq=seq_col, step=st.step[take], token_id=st.token_id[take],
+                                logprob=st.logprob[take], topk_ids=st.topk_ids[take],
+                                topk_logprobs=st.topk_logprobs[take])
+    return Run(meta=run.meta, sequences=tuple(info for _, info in seqs), steps=steps)
