@@ -346,7 +346,8 @@ def test_a_token_far_outside_the_top_k_with_distributions_off_is_never_passed():
 
 def test_baselines_side_by_side():
     r = runs(make_seq(20), make_seq(21, t_star=5), make_seq(22, t_star=5, flip="far"), make_seq(23, drift=0.8))
-    case = compare_runs(r["reference"], r["candidate"], scored=r["scored"])
+    # with the forced replay: every step of the reference is same-context evidence
+    case = compare_runs(r["reference"], r["candidate"], scored=r["scored"], forced=r["forced"])
     got = [(s.verdict, s.baselines["exact_match"], s.baselines["check_logprobs_close"]) for s in case.sequences]
     assert got == [
         (Verdict.IDENTICAL, True, True),
@@ -355,6 +356,11 @@ def test_baselines_side_by_side():
         (Verdict.DEGRADED, True, True),  # both pass, yet the distributions moved
     ]
     assert case.summary["baselines"] == {"exact_match": 2, "check_logprobs_close": 3}
+    # without it, the flips at t*=5 leave 5 same-context steps: too thin to show a pass
+    case = compare_runs(r["reference"], r["candidate"], scored=r["scored"])
+    assert [s.verdict for s in case.sequences] == [Verdict.IDENTICAL, Verdict.INCONCLUSIVE, Verdict.INCONCLUSIVE,
+                                                   Verdict.DEGRADED]
+    assert "5 steps, fewer than the 16" in case.sequences[1].evidence[0]
 
 
 def test_case_verdict_is_the_worst_and_summary_counts():

@@ -52,3 +52,166 @@ def test_the_commands_take_allow_inconclusive():
     for command in ("compare", "check", "matrix"):
         result = CliRunner().invoke(cli, [command, "--help"])
         assert "--allow-inconclusive" in result.output, (command, result.output)
+
+
+# ---------------------------------------------------------------- the decision, on known arrays
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from diffcheck.judging.decision import BLOCK, Budget, decide, effect_test  # noqa: E402
+from diffcheck.judging.floor import Floor  # noqa: E402
+
+Z1 = 1.6448536269514722  # Φ⁻¹(0.95): alpha 0.05, one test
+
+
+def test_zero_effect_on_three_steps_is_undecided_thin():
+    e = effect_test("KL", np.zeros(3), margin=1e-3, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    assert (e.estimate, e.se, e.upper) == (0.0, 0.0, 0.0)  # the bound alone would call it inside...
+    assert not e.beyond and not e.within and e.status == "undecided"  # ...but 3 steps show nothing
+    assert "3 steps, fewer than the 16" in e.thin and "thin evidence" in e.text()
+
+
+def test_an_effect_far_beyond_the_margin_is_beyond():
+    x = np.full(64, 0.5) + np.tile([0.01, -0.01], 32)
+    e = effect_test("loss", x, margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    assert e.beyond and not e.within and e.status == "beyond" and e.lower > 0.02
+
+
+def test_many_steps_of_a_small_effect_are_within():
+    # blocks of 16 whose means alternate 0.001 +- 0.0005: mean 0.001, se of 32 block means
+    blocks = np.repeat(np.tile([0.0005, 0.0015], 16), BLOCK)
+    e = effect_test("KL", blocks, margin=0.01, sigma_floor=0.0005, alpha=0.05, beta=0.2, tests=1)
+    se = np.std(np.tile([0.0005, 0.0015], 16), ddof=1) / math.sqrt(32)
+    assert math.isclose(e.se, se, rel_tol=1e-9) and math.isclose(e.upper, 0.001 + Z1 * se, rel_tol=1e-9)
+    assert e.within and e.status == "within" and not e.thin
+
+
+def test_a_bound_across_the_margin_is_undecided_not_a_pass():
+    # mean 0.01 inside the margin 0.02, but block means spread 0.02: upper bound beyond it
+    blocks = np.repeat(np.tile([-0.01, 0.03], 4), BLOCK)
+    e = effect_test("loss", blocks, margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    assert e.lower < 0.02 < e.upper and not e.beyond and not e.within and not e.thin
+
+
+def test_power_too_low_for_the_margin_is_thin():
+    # est 0 over 32 steps (2 blocks) but a floor so noisy that the margin is undetectable
+    e = effect_test("KL", np.zeros(32), margin=1e-3, sigma_floor=0.01, alpha=0.05, beta=0.2, tests=1)
+    assert e.mde > e.margin and "detect only" in e.thin and not e.within
+
+
+def test_the_cpu_lane_floor_zero_forced_replay_bitwise_identical_is_within():
+    kl, dlp = np.zeros(192), np.zeros(192)
+    amount, loss, _, _ = decide(kl, dlp, floor=Floor(), factor=4.0, kl_resolution=1e-3, loss_resolution=0.02,
+                                alpha=0.05, beta=0.2, tests=8)
+    assert amount.within and loss.within and (amount.mde, loss.mde) == (0.0, 0.0)
+
+
+def test_budget_effects_are_decided_the_same_way():
+    kl = np.zeros(4)
+    *_, b_amount, b_loss = decide(kl, kl, floor=Floor(), factor=4.0, kl_resolution=1e-3, loss_resolution=0.02,
+                                  alpha=0.05, beta=0.2, tests=1, budget=Budget(kl=0.05, loss=0.1))
+    assert not b_amount.within and b_amount.thin and not b_loss.within
+
+
+# ---------------------------------------------------------------- sequences, synthetic
+
+from test_classify import judge as judge_synthetic, make_seq  # noqa: E402
+
+
+def test_a_flip_after_three_steps_without_forced_replay_is_inconclusive_with_it_a_pass():
+    case, sv = judge_synthetic(make_seq(40, t_star=3), forced=False)
+    assert sv.verdict is Verdict.INCONCLUSIVE and case.verdict is Verdict.INCONCLUSIVE
+    assert sv.evidence[0].startswith("inconclusive: ") and "3 steps, fewer than the 16" in sv.evidence[0]
+    assert "forced replay" in sv.evidence[0] and sv.stats["inconclusive"]
+    assert exit_code(case.verdict) == EXIT_INCONCLUSIVE and not bool(case)
+    _, sv = judge_synthetic(make_seq(40, t_star=3), forced=True)  # 60 forced steps decide it
+    assert sv.verdict is Verdict.BENIGN_DRIFT
+
+
+def test_a_short_identical_sequence_that_is_bitwise_the_reference_is_identical():
+    # exactness is observed, not estimated: no effect to bound, whatever the length
+    from factories import make_run  # the tests' shared run factory
+    from diffcheck.judging.classify import compare_runs
+
+    run = make_run([[5, 6, 7, 8]], k=4, suite="s", case_id="J", role="reference")
+    cand = make_run([[5, 6, 7, 8]], k=4, suite="s", case_id="J", role="candidate")
+    assert compare_runs(run, cand).verdict is Verdict.IDENTICAL
+
+
+# ---------------------------------------------------------------- the H200 recordings, re-judged offline
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from diffcheck import cases  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_SUITE_FILE = ROOT / "cases" / "gpu-h200.toml"
+GPU_SUITE = cases.load_suite(GPU_SUITE_FILE)
+GPU_GOLDENS = ROOT / "goldens" / GPU_SUITE.name
+GPU_CANDIDATES = sorted(p.name.split(".")[0] for p in GPU_GOLDENS.glob("*.run.parquet"))
+
+
+def _label(cid: str) -> str:
+    """From the suite's `expect`, never from the tool: "clean" (must pass) or "faulted" (must fail)."""
+    exp = GPU_SUITE.cases[cid].expect
+    assert exp is not None, cid
+    if exp.verdict is not None:
+        return "clean" if passes(exp.verdict) else "faulted"
+    assert Verdict.GIBBERISH in exp.not_verdict and Verdict.DEGRADED in exp.not_verdict, cid
+    return "clean"
+
+
+def _rejudge(cid: str, tmp_path: Path, *, generate_only: bool) -> tuple[int, list[str]]:
+    """`diffcheck compare CID --suite gpu-h200 --run FILE` on a copy of the recordings; generate-only:
+    the goldens and floor replicas and this run, no forced or scored file beside it."""
+    from diffcheck.cli import main
+
+    folder = tmp_path / ("alone" if generate_only else "all") / GPU_SUITE.name
+    folder.mkdir(parents=True)
+    for path in GPU_GOLDENS.glob("*.parquet"):
+        if path.name.endswith(".run.parquet") and not path.name.startswith(f"{cid}."):
+            continue
+        if generate_only and (".forced-" in path.name or ".scored-" in path.name):
+            continue
+        shutil.copy(path, folder / path.name)
+    report = tmp_path / f"{cid}-{generate_only}.json"
+    code = main(["compare", cid, "--suite", str(GPU_SUITE_FILE), "--goldens", str(folder.parent),
+                 "--run", str(folder / f"{cid}.run.parquet"), "--json", str(report)])
+    data = json.loads(report.read_text())
+    return code, [s["verdict"] for c in data["cases"] for s in c["sequences"]]
+
+
+def test_the_recordings_hold_clean_and_faulted_candidates():
+    labels = {cid: _label(cid) for cid in GPU_CANDIDATES}
+    assert "clean" in labels.values() and "faulted" in labels.values(), labels
+
+
+@pytest.mark.parametrize("cid", GPU_CANDIDATES)
+def test_with_all_signals_clean_sequences_pass_and_faulted_ones_fail(cid, tmp_path):
+    code, verdicts = _rejudge(cid, tmp_path, generate_only=False)
+    assert len(verdicts) == 4 * len(GPU_SUITE.cases[cid].references)
+    if _label(cid) == "clean":
+        assert all(passes(Verdict[v]) for v in verdicts), verdicts
+        assert code == EXIT_PASS
+    else:
+        assert all(Verdict[v] in (Verdict.DEGRADED, Verdict.GIBBERISH) for v in verdicts), verdicts
+        assert code == EXIT_REGRESSION
+
+
+@pytest.mark.parametrize("cid", GPU_CANDIDATES)
+def test_generate_only_never_calls_a_clean_sequence_garbage_and_faulted_graphs_still_fail(cid, tmp_path):
+    code, verdicts = _rejudge(cid, tmp_path, generate_only=True)
+    case = GPU_SUITE.cases[cid]
+    if _label(cid) == "clean":
+        # a pass where the steps before t* show one, INCONCLUSIVE where they are too few: never a failure
+        assert all(passes(Verdict[v]) or v == "INCONCLUSIVE" for v in verdicts), verdicts
+        assert code in (EXIT_PASS, EXIT_INCONCLUSIVE)
+    elif (case.engine.cudagraph_mode or "").startswith("FULL"):
+        assert all(Verdict[v] in (Verdict.DEGRADED, Verdict.GIBBERISH) for v in verdicts), verdicts
+        assert code == EXIT_REGRESSION

@@ -15,12 +15,24 @@ overstate confidence). Each effect has an *equivalence margin*:
 
     margin = max(floor_factor × the floor's largest benign value, resolution)
 
-and is *beyond* only when its one-sided lower confidence bound
-``estimate − z·se`` exceeds the margin, with ``z = Φ⁻¹(1 − α/m)`` and m the number of
-tests judged at once (Bonferroni: a 20-case matrix does not cry wolf). Each result
-carries the p-value of "within the margin" and the minimum detectable effect of this
-many blocks, ``(z + z_β) · σ_floor · √(2/n_blocks)`` (the two-sample power formula of
-TensorRT-LLM's accuracy suite).
+and is decided by two one-sided tests (TOST), with ``z = Φ⁻¹(1 − α/m)`` and m the
+number of tests judged at once (Bonferroni: a 20-case matrix does not cry wolf):
+
+- *beyond* when the lower confidence bound ``estimate − z·se`` exceeds the margin
+  (a difference shown);
+- *within* (equivalence shown) only when the upper bound ``estimate + z·se`` is inside
+  the margin **and** the evidence is not thin;
+- otherwise *undecided*: absence of evidence is never a pass.
+
+Evidence is *thin* when the path has fewer than ``min_steps`` steps (too few for a
+standard error worth the name: less than one batch-means block by default), or when the
+minimum detectable effect of this many blocks, ``(z + z_β) · σ_floor · √(2/n_blocks)``
+(the two-sample power formula of TensorRT-LLM's accuracy suite), is above the margin:
+an effect of the margin's size would likely go unseen. On a floor of exactly zero (the
+CPU lane) σ_floor is 0, so only ``min_steps`` can make evidence thin there; a forced
+replay that is bitwise identical (estimate 0, se 0) is then plainly within. Each result
+carries both bounds, the p-values of "within" and of "beyond", the minimum detectable
+effect, and, when undecided, what would decide it (`undecided_reasons`).
 
 A spec-changing candidate is tested the same way against its *budget* instead of
 the floor (a precision cost, reported the way llama.cpp reports a quantization).
@@ -48,20 +60,30 @@ class Effect:
     se: float
     margin: float
     lower: float  # one-sided lower confidence bound
-    p_within: float  # one-sided p-value of "the effect is within the margin"
+    p_within: float  # one-sided p-value of "the effect is within the margin" (small: beyond)
     mde: float  # minimum detectable effect above the margin at (alpha, beta)
     n_steps: int
-    beyond: bool
+    beyond: bool  # the lower bound is beyond the margin: a difference shown
+    upper: float = math.inf  # one-sided upper confidence bound
+    p_beyond: float = 1.0  # one-sided p-value of "the effect reaches the margin" (small: within)
+    within: bool = False  # the upper bound is inside the margin and the evidence is not thin: equivalence shown
+    thin: str = ""  # why the evidence is too thin to show equivalence ("" when it is not)
+
+    @property
+    def status(self) -> str:
+        return "beyond" if self.beyond else ("within" if self.within else "undecided")
 
     def text(self) -> str:
         se = f" ± {self.se:.2g}" if math.isfinite(self.se) else ""
-        verdict = "beyond" if self.beyond else "within"
-        return (f"{self.name} {self.estimate:.3g}{se} over {self.n_steps} steps, {verdict} its margin {self.margin:.3g} "
-                f"(lower bound {self.lower:.3g}, p {self.p_within:.2g}, detectable {self.mde:.2g})")
+        thin = f"; thin evidence: {self.thin}" if self.thin else ""
+        status = {"beyond": "beyond", "within": "within"}.get(self.status, "undecided against")
+        return (f"{self.name} {self.estimate:.3g}{se} over {self.n_steps} steps, {status} its margin "
+                f"{self.margin:.3g} (bounds {self.lower:.3g} to {self.upper:.3g}, p {self.p_within:.2g} / "
+                f"{self.p_beyond:.2g}, detectable {self.mde:.2g}{thin})")
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "estimate", "se", "margin", "lower", "p_within", "mde",
-                                               "n_steps", "beyond")}
+        return {k: getattr(self, k) for k in ("name", "estimate", "se", "margin", "lower", "upper", "p_within",
+                                               "p_beyond", "mde", "n_steps", "beyond", "within", "thin")}
 
 
 def batch_means_se(x: np.ndarray, block: int = BLOCK) -> float:
@@ -80,22 +102,45 @@ def z_value(alpha: float, tests: int = 1) -> float:
     return _N.inv_cdf(1.0 - alpha / max(tests, 1))
 
 
+MIN_STEPS = BLOCK  # default `Tolerances.min_steps`: fewer same-context steps than one block show nothing
+
+
+def detectable(n: int, sigma_floor: float, *, z: float, beta: float) -> float:
+    """Minimum detectable effect of `n` steps: (z + z_β) · σ_floor · √(2/n_blocks)."""
+    if not n:
+        return math.inf
+    return (z + _N.inv_cdf(1.0 - beta)) * sigma_floor * math.sqrt(2.0 / max(n / BLOCK, 1.0))
+
+
 def effect_test(name: str, values: np.ndarray, *, margin: float, sigma_floor: float, alpha: float,
-                beta: float, tests: int) -> Effect:
-    """One-sided test of mean(values) > margin at level alpha/tests."""
+                beta: float, tests: int, min_steps: int = MIN_STEPS) -> Effect:
+    """Two one-sided tests of mean(values) against margin at level alpha/tests each:
+    beyond when the lower bound exceeds it, within when the upper bound is inside it and
+    the evidence is not thin (`min_steps`, the minimum detectable effect)."""
     x = values.astype(np.float64)
     n = int(x.shape[0])
     est = float(x.mean()) if n else 0.0
     se = batch_means_se(x)
     z = z_value(alpha, tests)
-    lower = est - z * se if math.isfinite(se) else -math.inf
-    if math.isfinite(se) and se > 0:
+    finite = math.isfinite(se)
+    lower = est - z * se if finite else -math.inf
+    upper = est + z * se if finite else math.inf
+    if finite and se > 0:
         p = 1.0 - _N.cdf((est - margin) / se)
+        p_beyond = _N.cdf((est - margin) / se)
     else:
-        p = 0.0 if (est > margin and math.isfinite(se)) else 1.0
-    n_blocks = max(n / BLOCK, 1.0)
-    mde = (z + _N.inv_cdf(1.0 - beta)) * sigma_floor * math.sqrt(2.0 / n_blocks) if n else math.inf
-    return Effect(name, est, se, margin, lower, p, mde, n, bool(lower > margin))
+        p = 0.0 if (est > margin and finite) else 1.0
+        p_beyond = 0.0 if (est < margin and finite) else 1.0
+    mde = detectable(n, sigma_floor, z=z, beta=beta)
+    if n < min_steps:
+        thin = f"{n} step{'s' if n != 1 else ''}, fewer than the {min_steps} an equivalence needs (min_steps)"
+    elif mde > margin:
+        thin = f"{n} steps detect only {mde:.2g}, more than the margin {margin:.3g}"
+    else:
+        thin = ""
+    beyond = bool(lower > margin)
+    within = bool(upper <= margin) and not thin and not beyond
+    return Effect(name, est, se, margin, lower, p, mde, n, beyond, upper, p_beyond, within, thin)
 
 
 @dataclass(frozen=True)
@@ -113,11 +158,12 @@ def margins(floor: Floor, *, factor: float, kl_resolution: float, loss_resolutio
 
 def decide(kl: np.ndarray, dlogprob: np.ndarray, *, floor: Floor, factor: float, kl_resolution: float,
            loss_resolution: float, alpha: float, beta: float, tests: int,
-           budget: Budget | None = None) -> tuple[Effect, Effect, Effect | None, Effect | None]:
+           budget: Budget | None = None, min_steps: int = MIN_STEPS
+           ) -> tuple[Effect, Effect, Effect | None, Effect | None]:
     """(amount vs floor, loss vs floor, amount vs budget, loss vs budget) on one path."""
     m_kl, m_loss = margins(floor, factor=factor, kl_resolution=kl_resolution, loss_resolution=loss_resolution)
     loss = -dlogprob.astype(np.float64)
-    common = dict(alpha=alpha, beta=beta, tests=tests)
+    common = dict(alpha=alpha, beta=beta, tests=tests, min_steps=min_steps)
     amount = effect_test("KL", kl, margin=m_kl, sigma_floor=floor.kl_block_sd, **common)
     direction = effect_test("loss", loss, margin=m_loss, sigma_floor=floor.loss_block_sd, **common)
     if budget is None:
@@ -125,6 +171,28 @@ def decide(kl: np.ndarray, dlogprob: np.ndarray, *, floor: Floor, factor: float,
     b_amount = effect_test("KL", kl, margin=max(budget.kl, m_kl), sigma_floor=floor.kl_block_sd, **common)
     b_loss = effect_test("loss", loss, margin=max(budget.loss, m_loss), sigma_floor=floor.loss_block_sd, **common)
     return amount, direction, b_amount, b_loss
+
+
+def undecided_reasons(effects, *, forced: bool, floor_measured: bool, **_) -> list[str]:
+    """What would decide effects that are neither beyond nor within their margins (scoring
+    would not: it judges the text after t*, not the same-context distributions)."""
+    out = []
+    for e in effects:
+        if e is None or e.beyond or e.within:
+            continue
+        if e.thin:
+            why = f"{e.name}: {e.thin}"
+        else:
+            why = f"{e.name}: upper bound {e.upper:.3g} is not inside the margin {e.margin:.3g}"
+        out.append(why)
+    if not out:
+        return out
+    more = ["more tokens (a longer same-context path)"]
+    if not forced:
+        more.append("forced replay (every step of the reference in the candidate's context)")
+    if not floor_measured:
+        more.append("a measured noise floor (diffcheck calibrate)")
+    return out + ["would decide it: " + ", ".join(more)]
 
 
 def far_step_threshold(floor: Floor, *, far_factor: float, far_kl: float) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from diffcheck.judging import stats as S
-from diffcheck.judging.decision import decide
+from diffcheck.judging.decision import decide, undecided_reasons
 from diffcheck.judging.signals import Signal, departure, loop_onset, mean, text_flags
 from diffcheck.core.types import SequenceVerdict, Verdict
 
@@ -166,7 +166,7 @@ class Judge:
         amount, loss, b_amount, b_loss = decide(
             path.kl, path.dlogprob, floor=lim.floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
             loss_resolution=tol.loss_resolution, alpha=tol.alpha, beta=tol.beta, tests=self.tests,
-            budget=self.budget)
+            budget=self.budget, min_steps=tol.min_steps)
         stats["effects"] = {"path": path_name, "amount": amount.as_dict(), "loss": loss.as_dict()}
         # far steps: same-context steps (before t*, and t* itself) far beyond any benign step
         far_steps = np.flatnonzero(before.kl > lim.far).tolist()
@@ -184,6 +184,7 @@ class Judge:
             floor_text.append(f"{len(far_steps)} same-context step(s) with KL beyond {lim.far:.3g} (10x the floor's "
                               f"largest step or {tol.far_kl:g}), first at step {s0} (KL {kl0:.3g})")
         verdict, onset = Verdict.IDENTICAL if t is None else Verdict.BENIGN_DRIFT, None
+        generate_only_garbage = ""  # why generate-only garbage evidence decides nothing (see `signals`)
         if t is not None:
             # beyond what this candidate may cost: its floor, or its budget for a precision change
             unacceptable = (b_amount.beyond or b_loss.beyond) if self.budget is not None else beyond_floor
@@ -217,11 +218,21 @@ class Judge:
                 m_r = mean(ref_nll[t:]) if rl > t else mu0
                 notes.append(f"reference NLL of candidate text after t* {m_c:.2f} nats/token vs {m_r:.2f} "
                              f"for the reference's own text")
+        # A pass must be shown (two one-sided tests, `decision`): within only when both
+        # effects' upper bounds are inside their margins on evidence that is not thin.
+        shown_within = amount.within and loss.within
+        signals = dict(forced=self.forced_path is not None, scored=self.scored is not None,
+                       floor_measured=lim.floor.measured)
+        undecided: list[str] = []
         if verdict is not Verdict.GIBBERISH and failures:
             verdict = Verdict.DEGRADED
             notes += floor_text
+        elif verdict is not Verdict.GIBBERISH and generate_only_garbage:
+            verdict = Verdict.INCONCLUSIVE
+            undecided = [generate_only_garbage]
+            notes += floor_text
         elif verdict is not Verdict.GIBBERISH:
-            if self.budget is not None and beyond_floor:
+            if self.budget is not None and (beyond_floor or not shown_within):
                 cost = (f"precision cost of {_change_text(self.change)}: {b_amount.text()}; {b_loss.text()} "
                         f"(budget KL {self.budget.kl:g}, loss {self.budget.loss:g})")
                 stats["effects"]["budget"] = {"amount": b_amount.as_dict(), "loss": b_loss.as_dict(),
@@ -229,17 +240,30 @@ class Judge:
                 if b_amount.beyond or b_loss.beyond:
                     verdict = Verdict.DEGRADED
                     failures.append(cost)
-                else:
+                elif b_amount.within and b_loss.within:
                     verdict = Verdict.WITHIN_BUDGET
+                    notes.insert(0, cost)
+                else:
+                    verdict = Verdict.INCONCLUSIVE
+                    undecided = undecided_reasons((b_amount, b_loss), **signals)
                     notes.insert(0, cost)
                 notes += floor_text
             elif beyond_floor:
                 verdict = Verdict.DEGRADED
                 failures += floor_text
+            elif shown_within:
+                if t is None:
+                    notes.insert(0, f"tokens identical over {rl} steps and shown within the noise floor")
+                notes += floor_text
             else:
+                verdict = Verdict.INCONCLUSIVE
+                undecided = undecided_reasons((amount, loss), **signals)
                 notes += floor_text
         else:
             notes += floor_text
+        if verdict is Verdict.INCONCLUSIVE:
+            stats["inconclusive"] = undecided
+            failures.insert(0, "inconclusive: " + "; ".join(undecided))
         # the headline first: for gibberish its onset, otherwise the failing checks
         evidence = notes if verdict is Verdict.GIBBERISH else failures + notes
         return SequenceVerdict(

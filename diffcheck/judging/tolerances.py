@@ -26,6 +26,9 @@ class Tolerances:
     # The statistical decision (see `decision`).
     alpha: float = 0.05  # false-alarm rate per comparison, split over the sequences judged at once
     beta: float = 0.2  # 1 - power, for the minimum detectable effect reported beside each verdict
+    # A pass must be shown: a path of fewer same-context steps than this (one batch-means
+    # block) cannot show equivalence and is INCONCLUSIVE, however close its few steps are.
+    min_steps: int = 16
     floor_factor: float = 4.0  # margin = this x the largest per-sequence value seen under benign variation
     # Below these, diffcheck does not tell two distributions apart, whatever the floor says:
     # llama.cpp measures ~5e-4 nats mean KL for merely storing weights in f16, and the
