@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from diffcheck import workspace
 from diffcheck.workflows import calibrate as cal
-pass
 from diffcheck.storage import store
 
 pytestmark = pytest.mark.engine
@@ -23,7 +23,7 @@ def test_calibrate_records_a_replica_and_compare_uses_the_floor(smoke_suite, ref
     one = (cal.Perturbation("batch1", "one sequence at a time", {"max_num_seqs": 1}),)
     lines = []
     floor = cal.calibrate(ref, root=tmp_path, golden=golden, perturbations=one, echo=lines.append)
-    path = cal.replica_path(tmp_path, smoke_suite.name, "J", "batch1")
+    path = workspace.replica_path(tmp_path, smoke_suite.name, "J", "batch1")
     assert path.exists() and store.manifest_entry(path) is not None  # content-hashed, in the manifest
     replica = store.read_run(path)
     assert replica.meta.kind == "forced" and replica.meta.source["golden_digest"] == store.content_digest(golden)
@@ -34,5 +34,5 @@ def test_calibrate_records_a_replica_and_compare_uses_the_floor(smoke_suite, ref
     assert any("up to date" in line for line in lines) and not any("starting engine" in line for line in lines)
     # a golden that moved makes the replica stale: left out, and said so
     moved = dataclasses.replace(golden, steps=dataclasses.replace(golden.steps, logprob=golden.steps.logprob - 0.5))
-    stale_floor, notes = cal.load_floor(tmp_path, smoke_suite.name, "J", moved)
+    stale_floor, notes = workspace.load_floor(tmp_path, smoke_suite.name, "J", moved)
     assert not stale_floor.measured and "older golden" in notes[0]
