@@ -319,10 +319,22 @@ def test_fallback_without_scored_uses_self_confidence():
 def test_fallback_without_scored_uses_text_metrics():
     seq = make_seq(11, t_star=20)  # a near-tie flip with healthy numbers...
     seq.cand_text = DIGITS  # ...but the text turned to digit soup
+    # from the generate run alone, with nothing before t* off the floor, the text decides
+    # nothing (issue 21: a small model writes digit loops after a benign flip too)
     _, sv = judge(seq, forced=False, scored=False)
-    assert sv.verdict is Verdict.GIBBERISH and sv.onset == 20
-    assert any("digit_ratio" in e for e in sv.evidence)
+    assert sv.verdict is Verdict.INCONCLUSIVE and sv.onset is None, sv.evidence
+    assert sv.evidence[0] == ("inconclusive: generate only: the text after t* looks like garbage but nothing "
+                              "before it left the floor; run with forced replay or scoring to decide")
+    assert any("digit_ratio" in e and "decides nothing" in e for e in sv.evidence)
     assert sv.quality["digit_ratio"] > 0.5
+    # a forced replay beside it (no scoring): the text metrics decide, as before
+    _, forced = judge(seq, scored=False)
+    assert forced.verdict is Verdict.GIBBERISH and forced.onset == 20
+    # steps before t* that themselves leave the floor: the text metrics decide from the run alone
+    off = make_seq(11, t_star=20, drift=0.8)
+    off.cand_text = DIGITS
+    _, sv = judge(off, forced=False, scored=False)
+    assert sv.verdict is Verdict.GIBBERISH and sv.onset == 20, sv.evidence
     # without text metrics the fallback has nothing left to see
     _, blind = judge(seq, forced=False, scored=False, text_metrics=False)
     assert blind.verdict is Verdict.BENIGN_DRIFT and blind.quality == {}

@@ -130,6 +130,32 @@ def test_a_flip_after_three_steps_without_forced_replay_is_inconclusive_with_it_
     assert sv.verdict is Verdict.BENIGN_DRIFT
 
 
+def _fluent_loop(seed: int):
+    seq = make_seq(seed, n=80, t_star=20, flip="sample")
+    loop = seq.cand_tokens[21:29].copy()
+    seq.cand_tokens[21:] = np.resize(loop, 59)
+    for t in range(21, 80):  # the loop's tokens are what both models expect there
+        for rows in (seq.scored_rows, seq.cand_rows):
+            top = int(rows[t].argmax())
+            rows[t, [top, seq.cand_tokens[t]]] = rows[t, [seq.cand_tokens[t], top]]
+    return seq
+
+
+def test_generate_only_a_loop_after_a_benign_flip_is_inconclusive_with_forced_replay_benign():
+    _, sv = judge_synthetic(_fluent_loop(18), forced=False, scored=False)
+    assert sv.verdict is Verdict.INCONCLUSIVE, sv.evidence
+    assert sv.evidence[0].startswith("inconclusive: generate only: the text after t* looks like garbage")
+    assert any(e.startswith("repetition loop:") for e in sv.evidence)
+    _, sv = judge_synthetic(_fluent_loop(18), forced=True, scored=False)  # the forced path stays in the floor
+    assert sv.verdict is Verdict.BENIGN_DRIFT, sv.evidence
+
+
+def test_generate_only_garbage_whose_steps_before_t_star_leave_the_floor_still_fails():
+    seq = make_seq(19, t_star=20, garbage_from=21, drift=0.8)
+    _, sv = judge_synthetic(seq, forced=False, scored=False)
+    assert sv.verdict in (Verdict.GIBBERISH, Verdict.DEGRADED), sv.evidence
+
+
 def test_a_short_identical_sequence_that_is_bitwise_the_reference_is_identical():
     # exactness is observed, not estimated: no effect to bound, whatever the length
     from factories import make_run  # the tests' shared run factory

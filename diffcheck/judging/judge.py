@@ -17,6 +17,12 @@ from diffcheck.judging.signals import Signal, departure, loop_onset, mean, text_
 from diffcheck.core.types import SequenceVerdict, Verdict
 
 
+# Text-level garbage evidence that a generate run alone cannot turn into a verdict while the
+# same-context steps before t* (and the flip at t*) are inside the floor: small models loop and
+# write digit runs at temperature 0.7 after a benign flip too.
+GENERATE_ONLY_SIGNALS = ("text metrics", "repetition loop")
+
+
 class Judge:
     """Shared state of one comparison; `sequence(i)` judges sequence i in full."""
 
@@ -130,9 +136,14 @@ class Judge:
         if has_text and self.metrics[i]:
             flags = text_flags(self.metrics[i], self.ref_metrics(i), tol)
             if flags:
+                # Without scoring the text metrics decide garbage, but not from a generate run
+                # alone whose same-context steps are inside the floor: then nothing says the
+                # engine, rather than the small model's own sampling, wrote that text.
+                trigger = self.scored is None and (self.forced_path is not None or off_floor)
                 how = "the reference's scoring does not confirm it" if self.scored is not None else (
-                    "no per-step signal: onset at t*")
-                sigs.append(Signal("text metrics", t, self.scored is None, self.scored is None,
+                    "no per-step signal: onset at t*" if trigger else
+                    "generate only, and nothing before t* left the floor: decides nothing")
+                sigs.append(Signal("text metrics", t, trigger, self.scored is None,
                                     f"text metrics: {', '.join(flags)} ({how})"))
         # departures need marked steps: the vectorized counts skip most sequences.
         # The reference's scoring may not veto a forced path this far off unless the
@@ -190,6 +201,11 @@ class Judge:
             unacceptable = (b_amount.beyond or b_loss.beyond) if self.budget is not None else beyond_floor
             sigs = self.signals(i, t, cand_nll, scored_nll, mu0, off_floor=unacceptable)
             triggers = [s for s in sigs if s.trigger]
+            if not triggers and self.forced_path is None and self.scored is None and not unacceptable and any(
+                    s.name in GENERATE_ONLY_SIGNALS for s in sigs):
+                generate_only_garbage = (
+                    "generate only: the text after t* looks like garbage but nothing before it left the floor; "
+                    "run with forced replay or scoring to decide")
             if triggers:
                 first = min((s for s in sigs if s.locates), key=lambda s: (s.onset, not s.trigger))
                 verdict, onset = Verdict.GIBBERISH, first.onset
