@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selftest": ("diffcheck.cli.selftest", "Prove the verdicts on labelled faulty and benign cases."),
     "ledger": ("diffcheck.cli.ledger", "List recorded runs, grouped by identical output."),
     "bisect": ("diffcheck.cli.bisect", "Find the commit that broke a case (git bisect run)."),
+    "reduce": ("diffcheck.cli.reduce", "Shrink a failing case to a minimal reproducer and bug report."),
     "kernels": ("diffcheck.cli.kernels", "Kernel-level decode-attention checks, graph replay included."),
 }
 

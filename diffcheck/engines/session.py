@@ -42,6 +42,16 @@ def open_engine(case, *, verbose: bool = False):
     return engine_class(case, model, prompts=prompts, verbose=verbose, **extra)
 
 
+def config_key(case) -> str:
+    """What an engine is built from: the model, the engine table and the env (not the prompts, not
+    the sampling, which each request carries)."""
+    import hashlib
+    import json
+
+    payload = {"model": case.model, "engine": dataclasses.asdict(case.engine), "env": dict(sorted(case.env.items()))}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def with_config(run: Run, case) -> Run:
     """`run` stamped with the config digest of the case that produced it."""
     source = {**run.meta.source, "config_digest": casesmod.config_digest(case)}
@@ -68,6 +78,21 @@ class EngineSession:
             echo(f"starting reference engine {case.id} (kept open for scoring)")
             self.engines[case.id] = open_engine(case, verbose=self.verbose)
         return self.engines[case.id]
+
+    def rebound(self, case, echo: Echo = print):
+        """An open engine built from `case`'s configuration (model, engine table, env) and bound to
+        `case`'s prompts and sampling, so cases that differ only there (the probes of
+        `diffcheck reduce`) share one start. One such engine at a time: the one of another
+        configuration is closed first."""
+        key = "config:" + config_key(case)
+        for other in [k for k in self.engines if k.startswith("config:") and k != key]:
+            self.engines.pop(other).close()
+        if key not in self.engines:
+            echo(f"{case.id}: starting candidate engine (kept open for cases of this configuration)")
+            self.engines[key] = open_engine(case, verbose=self.verbose)
+        engine = self.engines[key]
+        engine.case, engine.prompts = case, list(casesmod.load_prompts(case))
+        return engine
 
     def close(self) -> None:
         """Close every engine, the last one opened first; a failing close does not keep the others open."""
@@ -112,16 +137,24 @@ def generate(case, *, session: EngineSession | None = None, verbose: bool = Fals
 
 
 def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, mode: str, why: str = "",
-                       verbose: bool = False, echo: Echo = print) -> tuple[Run, dict[str, Run]]:
+                       verbose: bool = False, echo: Echo = print,
+                       session: EngineSession | None = None) -> tuple[Run, dict[str, Run]]:
     """One engine start: generate the candidate, then teacher-force it along each golden.
 
     Forced replay runs only where it is needed (`diffcheck.engines.replay`): a sequence
     whose sampled tokens equal the golden's has walked the golden's path already, and its
     forced rows are its own generate rows (reused); a sequence that diverged at t* is
     replayed from t* only (``mode="partial"``), or every sequence from step 0
-    (``mode="full"``). Writes nothing.
+    (``mode="full"``). Writes nothing. With `session`, its engine of this configuration
+    (`EngineSession.rebound`) is used and left open.
     """
-    with open_engine(case, verbose=verbose) as engine:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if session is not None:
+            engine = session.rebound(case, echo)
+        else:
+            engine = stack.enter_context(open_engine(case, verbose=verbose))
         echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
         cand = with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
         if cand.meta.role != "candidate":  # a reference re-run against its own golden: a run, never a golden
@@ -137,7 +170,8 @@ def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, 
                 f"{case.id}: forced replay along {ref_id}")) if todo.replayed else None
             run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
             forced[ref_id] = with_config(run, case)
-        progress.activity(f"{case.id}: shutting the engine down")
+        if session is None:
+            progress.activity(f"{case.id}: shutting the engine down")
     return cand, forced
 
 

@@ -45,6 +45,7 @@ KINDS = {
     "selftest": "a self-test",
     "kernels": "a kernel check",
     "data": "this command's output",
+    "reduce": "a reduce",
 }
 _VERDICTS = ("comparison", "check", "matrix")  # kinds whose verdicts JUnit renders
 
@@ -71,6 +72,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "outcomes": "matrix:render_terminal",
         "selftest": "selftest:render_terminal",
         "kernels": "kernels:render_terminal",
+        "reduce": "reduce:render_terminal",
     }, console=True),
     Format("json", "JSON", ".json", "--json", {
         "comparison": "json_report:render_json",
@@ -80,11 +82,13 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "selftest": "selftest:render_json",
         "kernels": "kernels:render_json",
         "data": "json_report:render_data",
+        "reduce": "reduce:render_json",
     }),
     Format("junit", "JUnit XML", ".xml", "--junit", {kind: "junit:render_junit" for kind in _VERDICTS}),
     Format("html", "HTML", ".html", "--html", {"comparison": "html:render_report", "matrix": "html:render_report"}),
     Format("markdown", "Markdown", ".md", "--md", {"matrix": "matrix:render_markdown",
-                                                  "outcomes": "matrix:render_markdown"}),
+                                                  "outcomes": "matrix:render_markdown",
+                                                  "reduce": "reduce:render_markdown"}),
 )}
 
 

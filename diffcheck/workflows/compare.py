@@ -41,7 +41,8 @@ class Comparison:
 
 def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root: Path, verbose: bool = False,
                   force: bool = False, echo: Echo = print,
-                  replay: str | None = None) -> tuple[Run, dict[str, Run], list[str]]:
+                  replay: str | None = None,
+                  session: sessionmod.EngineSession | None = None) -> tuple[Run, dict[str, Run], list[str]]:
     """Generate the candidate and teacher-force it along each golden: one engine start.
 
     An identical earlier run (same config digest, engine, model, goldens, replay mode) is
@@ -57,6 +58,7 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
     tag ``replay-full``; automatic for faults that count decode steps) replays every
     sequence from step 0, for when the decode path at t* matters. ``meta.source`` of each
     forced run says which sequences were replayed (from which step) and which reused.
+    `session`: run on its engine of this configuration, kept open (`EngineSession.rebound`).
     """
     mode, why = replaymod.mode_for(case, replay)
     references = sessionmod.candidate_references(case, references)
@@ -64,9 +66,10 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
         hit = workspace.cached_candidate(case, references, goldens, root=root, mode=mode)
         if hit is not None:
             return hit
-    echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
+    if session is None:
+        echo(f"{case.id}: starting candidate engine ({case.description or 'candidate'})")
     cand, forced = sessionmod.generate_and_force(case, references, goldens, mode=mode, why=why, verbose=verbose,
-                                                 echo=echo)
+                                                 echo=echo, session=session)
     workspace.store_candidate(case, cand, forced, goldens, root=root)
     return cand, forced, []
 
@@ -86,7 +89,8 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
             tests: int | None = None, replay: str | None = None, own_golden: bool | None = None,
-            view: Callable[[Run], Run] | None = None) -> Comparison:
+            view: Callable[[Run], Run] | None = None,
+            candidate_session: sessionmod.EngineSession | None = None) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
 
     `own_golden`: a reference case is also judged against its own stored golden (default:
@@ -103,7 +107,9 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     `replay`: the forced-replay mode (`run_candidate`; default partial).
     `view`: the candidate is judged against ``view(golden)`` of each reference (a probe of
     `diffcheck reduce`: the golden cut to the probe's prompts and steps, `judging.align.prefix_view`);
-    each floor is still the full golden's.
+    each floor is still the full golden's. `candidate_session`: the candidate runs on that
+    session's engine of its configuration, kept open for the next case that differs only in
+    prompts or sampling (`EngineSession.rebound`).
     """
     from diffcheck.engines import models
     from diffcheck.judging import classify
@@ -149,7 +155,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     else:
         try:
             candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
-                                                      force=force, echo=echo, replay=replay)
+                                                      force=force, echo=echo, replay=replay,
+                                                      session=candidate_session)
         except EngineError as exc:
             verdicts = tuple(classify.error_verdict(case.id, r, exc.message) for r in references)
             return Comparison(verdicts=verdicts, candidate=None, goldens=goldens)
