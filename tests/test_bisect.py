@@ -71,16 +71,17 @@ def register():
     return text
 
 
-def build_toy_repo(repo: Path) -> list[str]:
-    """The N-commit history; returns the commit shas, oldest first."""
+def build_toy_repo(repo: Path, n: int = N_COMMITS, fault_at: int = FAULT_AT, broken_at: int = BROKEN_BUILD_AT
+                   ) -> list[str]:
+    """The n-commit history (the fault from `fault_at` on, a broken build at `broken_at`); the shas, oldest first."""
     init_repo(repo)
     (repo / ".gitignore").write_text("__pycache__/\n")
     (repo / "toyplugin").mkdir()
     shas = []
-    for i in range(N_COMMITS):
-        faulty, broken = i >= FAULT_AT, i == BROKEN_BUILD_AT
+    for i in range(n):
+        faulty, broken = i >= fault_at, i == broken_at
         (repo / "toyplugin" / "__init__.py").write_text(toy_source(i, faulty=faulty, broken=broken))
-        subject = ("introduce stale decode metadata" if i == FAULT_AT else
+        subject = ("introduce stale decode metadata" if i == fault_at else
                    "half-finished refactor (syntax error)" if broken else f"harmless change {i}")
         git(repo, "add", "-A")
         git(repo, "commit", "-qm", subject)
@@ -426,7 +427,7 @@ model = "smollm2-135m"
 prompts = "{prompts}"
 
 [defaults.sampling]
-max_tokens = 24      # the fault acts from decode step 4: plenty of steps after it
+max_tokens = 16      # the fault acts from decode step 4: plenty of steps after it
 temperature = 0.0    # greedy: every clean commit reproduces the golden exactly
 logprobs = 20
 
@@ -449,6 +450,9 @@ env = {{ DIFFCHECK_PLUGIN_MODULES = "toyplugin" }}
 """
 
 
+ENGINE_COMMITS, ENGINE_FAULT_AT, ENGINE_BROKEN_AT = 6, 4, 2  # git tests 2 (a broken build), 3, 4: two engine runs
+
+
 @pytest.mark.engine
 def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monkeypatch, capsys):
     import importlib.metadata
@@ -463,7 +467,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
         f"vLLM must load diffcheck.plugins:register (found {sorted(hooks)}): set the vllm.general_plugins entry "
         "point in pyproject.toml and reinstall (make install)")
     repo = tmp_path / "toy"
-    shas = build_toy_repo(repo)
+    shas = build_toy_repo(repo, ENGINE_COMMITS, ENGINE_FAULT_AT, ENGINE_BROKEN_AT)  # each step starts an engine
     suite_path = tmp_path / "cases" / "bisect.toml"
     suite_path.parent.mkdir()
     suite_path.write_text(ENGINE_SUITE.format(prompts=TESTS.parent / "cases" / "prompts" / "smoke-en.toml"))
@@ -477,10 +481,10 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     assert main(args) == 0
     first = capsys.readouterr().out
     print(first)  # the README's example output comes from here (pytest -s)
-    assert f"first bad commit: {shas[FAULT_AT]} introduce stale decode metadata" in first
+    assert f"first bad commit: {shas[ENGINE_FAULT_AT]} introduce stale decode metadata" in first
     led = ledger.Ledger.open(goldens)
     runs = led.engine_runs("K")
-    assert 1 <= runs <= MAX_ENGINE_RUNS
+    assert 1 <= runs <= math.ceil(math.log2(ENGINE_COMMITS)) + 1
     assert f"engine runs: {runs} for " in first
     assert "GIBBERISH" in first and "build failed" in first
     assert (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo)) == before
@@ -488,7 +492,7 @@ def test_real_engine_bisect_names_the_commit_and_reruns_for_free(tmp_path, monke
     assert main(args) == 0
     again = capsys.readouterr().out
     print(again)
-    assert f"first bad commit: {shas[FAULT_AT]}" in again
+    assert f"first bad commit: {shas[ENGINE_FAULT_AT]}" in again
     assert "engine runs: 0 for " in again and led.engine_runs("K") == runs
     assert (git_bisect.repo_state(repo), git_bisect.bisect_in_progress(repo)) == before
 

@@ -100,6 +100,8 @@ def test_the_goldens_section_says_moved_or_not_and_whether_benign(verdict):
         assert not move.moved and text.startswith("unchanged")
     elif verdict is Verdict.ERROR:
         assert not move.moved and text.startswith("not checked")
+    elif verdict is Verdict.INCONCLUSIVE:
+        assert move.moved and not move.benign and text.startswith("moved, undecided")
     else:
         assert move.moved and move.benign == policy.passes(verdict)
         assert text.startswith("moved, benign" if move.benign else "moved, NOT benign")

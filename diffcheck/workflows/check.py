@@ -70,6 +70,9 @@ class GoldenMove:
             return f"not checked: the engine failed ({how})"
         if not self.moved:
             return f"unchanged ({how})"
+        if self.verdict is Verdict.INCONCLUSIVE:
+            return (f"moved, undecided ({how}): too little evidence to call it benign or not; decide it with more "
+                    f"tokens or a forced replay before {update}")
         if self.verdict is Verdict.WITHIN_BUDGET and self.benign:
             return f"moved, benign: a precision change inside its budget ({how}); if intended, accept it with {update}"
         if self.benign:
