@@ -44,20 +44,23 @@ def render_terminal(report, console) -> None:
     console.print(table)
     for row in summarize(result):
         if row.detail and (not row.ok or row.mode.startswith("graph[")):
-            console.print(f"  {row.kernel} {row.mode}: {row.detail}", highlight=False, markup=False)
+            console.print(f"  {row.kernel} {row.mode}: {row.detail}", highlight=False, markup=False, soft_wrap=True)
     for skipped in result.skipped:
-        console.print(f"  skipped {skipped.kernel}: {skipped.reason}", highlight=False, markup=False)
+        console.print(f"  skipped {skipped.kernel}: {skipped.reason}", highlight=False, markup=False, soft_wrap=True)
     for note in result.notes:
-        console.print(f"  note: {note}", highlight=False, markup=False)
+        console.print(f"  note: {note}", highlight=False, markup=False, soft_wrap=True)
     if comparison is not None:
         for regression in comparison.regressions:
-            console.print(f"  REGRESSION {regression}", style="bold red", highlight=False, markup=False)
+            console.print(f"  REGRESSION {regression}", style="bold red", highlight=False, markup=False,
+                          soft_wrap=True)
     line = verdict_line(result, comparison)
-    console.print(line, style="green" if line.startswith("OK") else "bold red", highlight=False, markup=False)
+    console.print(line, style="green" if line.startswith("OK") else "bold red", highlight=False, markup=False,
+                  soft_wrap=True)
     for message in report.messages:
-        console.print(message, highlight=False, markup=False)
+        console.print(message, highlight=False, markup=False, soft_wrap=True)
     if comparison is not None and comparison.regressions:
-        console.print(f"to accept these numbers: diffcheck kernels --device {result.device} --update", markup=False)
+        console.print(f"to accept these numbers: diffcheck kernels --device {result.device} --update", markup=False,
+                      soft_wrap=True)
 
 
 def render_json(report) -> str:
