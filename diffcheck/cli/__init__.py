@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bisect": ("diffcheck.cli.bisect", "Find the commit that broke a case (git bisect run)."),
     "reduce": ("diffcheck.cli.reduce", "Shrink a failing case to a minimal reproducer and bug report."),
     "kernels": ("diffcheck.cli.kernels", "Kernel-level decode-attention checks, graph replay included."),
+    "localize": ("diffcheck.cli.localize", "Which layer and op first leaves the noise floor."),
 }
 
 

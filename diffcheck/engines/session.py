@@ -28,8 +28,9 @@ def _quiet(_: str) -> None:
     pass
 
 
-def open_engine(case, *, verbose: bool = False):
-    """Start the engine the case's ``engine.kind`` names (`diffcheck.engines.registry`)."""
+def open_engine(case, *, verbose: bool = False, taps: bool = False):
+    """Start the engine the case's ``engine.kind`` names (`diffcheck.engines.registry`); with `taps`, one
+    that can capture per-layer taps (`diffcheck.engines.taps`: vLLM offline only)."""
     from diffcheck.engines import models
 
     engine_class = registry.engine_class(case.engine.kind or "vllm")
@@ -39,6 +40,13 @@ def open_engine(case, *, verbose: bool = False):
     extra, shown = {}, progress.current()  # the phases arrive on the engine's log-tailing thread
     if "on_phase" in inspect.signature(engine_class).parameters:  # start-up phases, where the engine has them
         extra["on_phase"] = lambda phase: shown.activity(f"{case.id}: engine start: {phase}")
+    if taps:
+        if "taps" not in inspect.signature(engine_class).parameters:
+            from diffcheck.core.errors import ConfigError
+
+            raise ConfigError(f"case '{case.id}': engine.kind {case.engine.kind or 'vllm'!r} cannot capture "
+                              "per-layer taps (vllm only)")
+        extra["taps"] = True
     return engine_class(case, model, prompts=prompts, verbose=verbose, **extra)
 
 
@@ -68,15 +76,16 @@ class EngineSession:
 
     """
 
-    def __init__(self, *, verbose: bool = False):
+    def __init__(self, *, verbose: bool = False, taps: bool = False):
         self.verbose = verbose
+        self.taps = taps  # engines opened with the per-layer taps (`diffcheck.engines.taps`)
         self.engines: dict[str, Any] = {}
 
     def get(self, case, echo: Echo = print):
         """The open engine of `case`, started on first use."""
         if case.id not in self.engines:
             echo(f"starting reference engine {case.id} (kept open for scoring)")
-            self.engines[case.id] = open_engine(case, verbose=self.verbose)
+            self.engines[case.id] = open_engine(case, verbose=self.verbose, taps=self.taps)
         return self.engines[case.id]
 
     def rebound(self, case, echo: Echo = print):

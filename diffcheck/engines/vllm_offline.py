@@ -123,8 +123,9 @@ class VllmOffline(Engine):
     streams_progress = True  # `vllm_progress.run_requests` reports after every engine step
 
     def __init__(self, case, model, *, prompts, verbose: bool = False, log_dir: Path | None = None,
-                 on_phase=None):
+                 on_phase=None, taps: bool = False):
         self._take_case(case, model, prompts, verbose, "vllm")
+        self.taps = taps  # with the per-layer taps' worker extension (`diffcheck.engines.taps`)
         self.log_path = (None if verbose else
                          private_log_dir(log_dir) / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log")
         self.on_phase = on_phase  # start-up phases read from the engine log (`vllm_progress.tail_phases`)
@@ -157,6 +158,10 @@ class VllmOffline(Engine):
         elif self.mechanism == "trace_replay":
             kw["enable_trace_replay"] = True
             kw["logprobs_mode"] = "raw_logprobs"  # vLLM's default; stated, as for the processor
+        if self.taps:
+            from diffcheck.engines.taps import WORKER_EXTENSION
+
+            kw["worker_extension_cls"] = WORKER_EXTENSION
         self.llm_kwargs = {k: v for k, v in kw.items() if k != "logits_processors"}
         self.llm_env = {**env, **self.env}
         before = set(threading.enumerate())
@@ -298,6 +303,16 @@ class VllmOffline(Engine):
         seconds = time.perf_counter() - t0
         by_index = {i: tuple(int(t) for t in out.outputs[0].token_ids) for i, out in zip(runs, outputs)}
         return TimedGeneration(seconds=seconds, token_ids=tuple(by_index.get(i, ()) for i in range(len(prompt_ids))))
+
+    def worker_rpc(self, method: str, *args):
+        """``LLM.collective_rpc(method)`` on the workers (a worker-extension method, by name): rank 0's answer."""
+        self._require_open()
+        try:
+            with captured_output(self.log_path):
+                return self.llm.collective_rpc(method, args=args)[0]
+        except Exception as exc:
+            raise EngineError(f"engine call {method} failed for case '{self.case.id}': "
+                              f"{root_cause(exc, read_log(self.log_path))}") from None
 
     # -- the three capabilities -------------------------------------------------------------------
     def generate(self, *, progress=None) -> Run:

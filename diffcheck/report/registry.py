@@ -45,6 +45,7 @@ KINDS = {
     "selftest": "a self-test",
     "kernels": "a kernel check",
     "data": "this command's output",
+    "localize": "a localize",
     "reduce": "a reduce",
 }
 _VERDICTS = ("comparison", "check", "matrix")  # kinds whose verdicts JUnit renders
@@ -72,6 +73,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "outcomes": "matrix:render_terminal",
         "selftest": "selftest:render_terminal",
         "kernels": "kernels:render_terminal",
+        "localize": "localize:render_terminal",
         "reduce": "reduce:render_terminal",
     }, console=True),
     Format("json", "JSON", ".json", "--json", {
@@ -81,6 +83,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "outcomes": "matrix:render_json",
         "selftest": "selftest:render_json",
         "kernels": "kernels:render_json",
+        "localize": "localize:render_json",
         "data": "json_report:render_data",
         "reduce": "reduce:render_json",
     }),
