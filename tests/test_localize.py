@@ -174,3 +174,21 @@ def test_the_onset_is_the_stored_runs_first_divergence_else_step_is_needed(tmp_p
     workspace.store_candidate(case, same, {}, {"J": golden}, root=root)
     with pytest.raises(ConfigError, match="token for token"):
         onset_step(case, golden, root=root, step=None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["M", "--step", "9999"], "--step 9999: golden J has 192 steps at most"),
+    (["J", "--step", "3"], "case 'J' has no references"),
+    (["M", "--reference", "O", "--step", "3"], "--reference O: case 'O' is a candidate"),
+])
+def test_bad_input_is_one_line_before_any_engine_starts(args, message):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "diffcheck", "localize", *args, "--goldens", str(ROOT / "goldens")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diffcheck: error: ") and message in lines[0]
