@@ -16,6 +16,12 @@ for `rounds` rounds so that drift in machine load hits both; ratios are of media
     plain generation of the same per-sequence lengths (``engine.time_generate(max_tokens=
     ...)``: ``ignore_eos=True``, ``max_tokens`` = that sequence's length, top-20 logprobs
     too). Goal <= 1.2x.
+(c) Time to verdict for an identical candidate, after engine start: the path ``diffcheck
+    compare`` takes (`session.generate_and_force` along the warm-up run as golden, with
+    partial replay: nothing to replay when the tokens are the golden's; `compare_runs`
+    against a floor of one replica; the candidate and forced runs written through
+    `storage.store.write_run`) against a bare generate of the same prompts (no logprobs).
+    Goal <= 1.1x (issue: time to verdict within 10 % of a generate).
 
 What it does not measure: an engine without the forcing processor installed (that
 needs a second engine start); plain generation here already pays the processor's
@@ -36,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "cases" / "prompts" / "design-docs-en.toml"
 MAX_TOKENS = 128
 REPLAY_GOAL = 1.2
+VERDICT_GOAL = 1.1
 
 SUITE = """
 [suite]
@@ -141,6 +148,23 @@ def _generate_same_lengths(engine, reference) -> Timing:
     return Timing(timed.seconds, time.perf_counter() - t0, timed.n_tokens)
 
 
+def _verdict(case, engine, pool, reference, floor, out: Path) -> Timing:
+    """(c): one comparison of an identical candidate, from generation to stored runs and a verdict."""
+    from diffcheck.engines import session as sessionmod
+    from diffcheck.judging import classify
+    from diffcheck.storage import store
+
+    t0 = time.perf_counter()
+    cand, forced = sessionmod.generate_and_force(case, ["J"], {"J": reference}, mode="partial", session=pool,
+                                                 echo=lambda _: None)
+    verdict = classify.compare_runs(reference, cand, forced=forced["J"], floor=floor)
+    store.write_run(out / "J.run.parquet", cand)
+    store.write_run(out / "J.forced-J.parquet", forced["J"])
+    wall = time.perf_counter() - t0
+    assert verdict.verdict.name == "IDENTICAL", verdict.verdict  # the candidate is the reference's own engine
+    return Timing(engine.timings["generate_s"], wall, cand.n_tokens)
+
+
 def main(rounds: int = 3) -> dict:
     from diffcheck import cases
     from diffcheck.engines import session as sessionmod
@@ -168,10 +192,22 @@ def main(rounds: int = 3) -> dict:
                 plain.append(_generate_same_lengths(engine, reference))
                 print(f"(b) round {r + 1}/{rounds}: forced {forced[-1].engine_s:.2f} s (wall {forced[-1].wall_s:.2f}), "
                       f"plain {plain[-1].engine_s:.2f} s", flush=True)
+            from diffcheck.judging.floor import build_floor
+
+            pool = sessionmod.EngineSession()
+            pool.engines["config:" + sessionmod.config_key(case)] = engine  # the open engine, as compare keeps it
+            floor = build_floor(reference, {"replica": engine.force(reference)})
+            verdicts, bare = [], []
+            for r in range(rounds):
+                verdicts.append(_verdict(case, engine, pool, reference, floor, Path(tmp)))
+                bare.append(_generate_without_logprobs(engine)[0])
+                print(f"(c) round {r + 1}/{rounds}: verdict {verdicts[-1].wall_s:.2f} s, bare generate "
+                      f"{bare[-1].wall_s:.2f} s", flush=True)
         finally:
             engine.close()
     capture = Pair(candidate=tuple(with_lp), baseline=tuple(without_lp))
     replay = Pair(candidate=tuple(forced), baseline=tuple(plain))
+    to_verdict = Pair(candidate=tuple(verdicts), baseline=tuple(bare))
     result = {
         "prompts": len(reference.sequences),
         "max_tokens": MAX_TOKENS,
@@ -179,6 +215,8 @@ def main(rounds: int = 3) -> dict:
         "startup_s": startup,
         "capture": {**capture.summary(), "same_tokens_with_and_without_logprobs": same_tokens},
         "replay": {**replay.summary(), "goal": REPLAY_GOAL, "meets_goal": replay.ratio("engine_s") <= REPLAY_GOAL},
+        "time_to_verdict": {**to_verdict.summary(), "goal": VERDICT_GOAL,
+                            "meets_goal": to_verdict.ratio("wall_s") <= VERDICT_GOAL},
     }
     c, p = result["capture"], result["replay"]
     print(f"engine start-up {startup:.1f} s; {result['prompts']} prompts x <= {MAX_TOKENS} tokens, {rounds} rounds")
@@ -188,6 +226,9 @@ def main(rounds: int = 3) -> dict:
     print(f"(b) replay: forced {p['candidate_tokens_per_s']:.1f} tok/s, plain {p['baseline_tokens_per_s']:.1f} tok/s "
           f"({p['tokens']} tokens); ratio of medians {p['ratio_engine']:.3f}x engine, {p['ratio_wall']:.3f}x wall "
           f"(goal <= {REPLAY_GOAL}x: {'met' if p['meets_goal'] else 'MISSED'})")
+    v = result["time_to_verdict"]
+    print(f"(c) time to verdict (identical candidate): ratio of medians {v['ratio_wall']:.3f}x a bare generate, wall "
+          f"(goal <= {VERDICT_GOAL}x: {'met' if v['meets_goal'] else 'MISSED'})")
     return result
 
 
