@@ -209,9 +209,10 @@ def localize(reference: Capture, candidate: Capture, floors: np.ndarray, *, fact
             best[int(site)] = f
     worst = tuple(sorted(best.values(), key=lambda f: -f.ratio)[:n_worst])
     notes = []
-    if not np.any(np.asarray(floors) > 0):
-        notes.append(f"every site's floor is exactly 0 ({len(floor_replicas)} replica(s)): margins are the "
-                     f"minimum relative error {minimum:g}")
+    largest = float(np.max(floors)) if len(floors) else 0.0
+    if factor * largest <= minimum:
+        notes.append(f"every site's floor is {'exactly 0' if largest == 0 else f'at most {largest:.2g}'} "
+                     f"({len(floor_replicas)} replica(s)): the margins are the minimum relative error {minimum:g}")
     if first is not None and first.step == steps[0]:
         notes.append(f"already beyond at the first captured step {steps[0]}: the departure may be earlier "
                      "(a larger --around or an earlier --step shows it)")
