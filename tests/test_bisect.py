@@ -427,7 +427,7 @@ model = "smollm2-135m"
 prompts = "{prompts}"
 
 [defaults.sampling]
-max_tokens = 16      # the fault acts from decode step 4: plenty of steps after it
+max_tokens = 24      # the fault acts from decode step 4: enough steps after it for its GIBBERISH (16 give DEGRADED)
 temperature = 0.0    # greedy: every clean commit reproduces the golden exactly
 logprobs = 20
 
