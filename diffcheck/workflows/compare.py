@@ -84,8 +84,6 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
     return workspace.store_score(root, ref_case.id, candidate, scored)
 
 
-
-
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
             tests: int | None = None, replay: str | None = None, own_golden: bool | None = None,
