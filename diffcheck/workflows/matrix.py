@@ -153,7 +153,7 @@ def run_plan(suite, p: Plan, executor, *, root: Path, echo: Echo, force: bool, v
     for case in p.references:
         k += 1
         if workspace.golden_up_to_date(workspace.golden_path(root, case), case):
-            echo(f"case {k} of {n}: golden {case.id} up to date")
+            echo(f"case {k} of {n}: {case.id}: golden up to date")
             continue
         jobs.append(executors.Job(case, f"case {k} of {n}: golden {case.id} ({case.description or 'reference'})"))
     for case, run, error in executor.goldens(jobs):
