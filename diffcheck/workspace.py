@@ -223,16 +223,21 @@ def store_candidate(case, cand: Run, forced: dict[str, Run], goldens: dict[str, 
     record_run(root, cand, path=run_file, case=case, goldens=goldens)
 
 
-def stored_score(root: Path, ref_id: str, candidate: Run) -> Run | None:
-    """The reference's stored scoring of exactly this candidate (by content digest), or None."""
-    path = scored_file(root, candidate.meta.suite, candidate.meta.case_id, ref_id)
+def _readable(path: Path) -> Run | None:
+    """The run stored at `path`, or None when there is none or it cannot be read (it is then redone)."""
     if not path.exists():
         return None
     try:
-        scored = store.read_run(path)
+        return store.read_run(path)
     except DataError:
         return None
-    return scored if scored.meta.source.get("scored_digest") == store.content_digest(candidate) else None
+
+
+def stored_score(root: Path, ref_id: str, candidate: Run) -> Run | None:
+    """The reference's stored scoring of exactly this candidate (by content digest), or None."""
+    scored = _readable(scored_file(root, candidate.meta.suite, candidate.meta.case_id, ref_id))
+    return scored if scored is not None and scored.meta.source.get("scored_digest") == store.content_digest(candidate) \
+        else None
 
 
 def store_score(root: Path, ref_id: str, candidate: Run, scored: Run) -> Run:
@@ -261,14 +266,9 @@ def replica_files(root: Path, suite: str, reference_id: str) -> dict[str, Path]:
 
 
 def replica_up_to_date(path: Path, golden: Run, perturbation: dict) -> bool:
-    if not path.exists():
-        return False
-    try:
-        old = store.read_run(path)
-    except DataError:
-        return False
-    return (old.meta.source.get("golden_digest") == store.content_digest(golden)
-            and old.meta.source.get("perturbation") == perturbation)
+    old = _readable(path)
+    return old is not None and (old.meta.source.get("golden_digest") == store.content_digest(golden)
+                                and old.meta.source.get("perturbation") == perturbation)
 
 
 def store_replica(root: Path, suite: str, reference_id: str, name: str, run: Run, golden: Run, *,
