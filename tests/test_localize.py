@@ -177,17 +177,24 @@ def test_the_onset_is_the_stored_runs_first_divergence_else_step_is_needed(tmp_p
 
 
 @pytest.mark.parametrize("args, message", [
-    (["M", "--step", "9999"], "--step 9999: golden J has 192 steps at most"),
+    (["M", "--step", "9999"], "--step 9999: golden J has 5 steps at most (valid: 0..4)"),
     (["J", "--step", "3"], "case 'J' has no references"),
     (["M", "--reference", "O", "--step", "3"], "--reference O: case 'O' is a candidate"),
 ])
-def test_bad_input_is_one_line_before_any_engine_starts(args, message):
+def test_bad_input_is_one_line_before_any_engine_starts(args, message, tmp_path):
+    """On the default suite, against a workspace of its own: a recorded golden J (5 steps), nothing else."""
     import subprocess
     import sys
 
     from conftest import ROOT
+    from factories import make_run
 
-    done = subprocess.run([sys.executable, "-m", "diffcheck", "localize", *args, "--goldens", str(ROOT / "goldens")],
+    from diffcheck import cases, workspace
+
+    suite = cases.load_suite("default")
+    root = tmp_path / "goldens"
+    workspace.store_golden(root, suite.cases["J"], make_run([[5, 6, 7, 8, 9], [1, 2, 3]], case_id="J", suite="default"))
+    done = subprocess.run([sys.executable, "-m", "diffcheck", "localize", *args, "--goldens", str(root)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -80,3 +80,32 @@ def test_an_unexpected_flat_layout_falls_back_to_the_general_path():
     np.testing.assert_array_equal(dense["topk_ids"][:, : K - 2], ids[:, 1: K - 1])
     assert (dense["topk_ids"][:, K - 2:] == -1).all()
     np.testing.assert_array_equal(dense["logprob"], lps[:, 0])
+
+
+def test_a_run_is_judged_as_it_is_stored(tmp_path):
+    """An engine's run, judged live against its own stored copy, is IDENTICAL (every step exactly
+    the stored one). Judging the engine's float32 against a stored golden read the codec's
+    rounding as an engine difference: a clean re-run was INCONCLUSIVE live and IDENTICAL when
+    re-judged from its file."""
+    import dataclasses
+
+    from factories import make_run
+
+    from diffcheck.core.types import Verdict
+    from diffcheck.judging import classify
+    from diffcheck.storage import store
+
+    parts = []
+    for seed in (5, 6):
+        ids, lps, ranks = _rows(seed, True)
+        lps = lps * np.float32(1.0 + 1e-3 * seed)  # values the codec's 6 bits do not hold exactly
+        parts.append(vllm_outputs.steps_from_logprobs(ids[:, 0].tolist(), _container(False, ids, lps, ranks), K))
+    steps = vllm_outputs.concat(parts, K)
+    shell = make_run(tokens=[p["token_id"].tolist() for p in parts], k=K)
+    live = dataclasses.replace(shell, steps=steps)
+    store.write_run(tmp_path / "J.parquet", live)
+    stored = store.read_run(tmp_path / "J.parquet")
+    for column in ("logprob", "topk_logprobs"):
+        np.testing.assert_array_equal(getattr(stored.steps, column), getattr(live.steps, column))
+    assert store.content_digest(stored) == store.content_digest(live)
+    assert classify.compare_runs(stored, live).verdict is Verdict.IDENTICAL

@@ -5,6 +5,12 @@ dicts (its default), or a ``FlatLogprobs`` (``SamplingParams(flat_logprobs=True)
 flat lists of token ids, logprobs and ranks with per-position start and end indices,
 a constant number of Python objects however long the run. The engine asks for the flat
 one where its vLLM has it (the capture's host-side cost, docs/gpu.md); both convert here.
+
+Every engine builds its `Steps` through `concat`, which keeps logprobs in their stored
+form (`storage.codec`, 6 mantissa bits): a run is judged as it is stored, so a verdict
+taken live is the verdict a re-judging of the stored files gives. Judging the engine's
+float32 against a stored golden would read the codec's rounding (up to 0.83 % of a
+logprob) as a difference between engines.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from diffcheck.core.types import Steps
+from diffcheck.storage.codec import quantize_logprobs
 
 
 def steps_from_logprobs(tokens: list[int], logprobs, k: int) -> dict[str, np.ndarray]:
@@ -68,12 +75,13 @@ def _from_flat(tokens: list[int], flat, k: int) -> dict[str, np.ndarray] | None:
 
 
 def concat(parts: list[dict[str, np.ndarray]], k: int) -> Steps:
-    """Per-sequence arrays from `steps_from_logprobs` -> one `Steps` table, sequences in order."""
+    """Per-sequence arrays from `steps_from_logprobs` -> one `Steps` table, sequences in order,
+    logprobs in their stored form (see the module's docstring)."""
     if not parts:
         return Steps.empty(k)
     seq = np.concatenate([np.full(len(p["token_id"]), i, np.int32) for i, p in enumerate(parts)])
     step = np.concatenate([np.arange(len(p["token_id"]), dtype=np.int32) for p in parts])
     return Steps(seq=seq, step=step, token_id=np.concatenate([p["token_id"] for p in parts]),
-                 logprob=np.concatenate([p["logprob"] for p in parts]),
+                 logprob=quantize_logprobs(np.concatenate([p["logprob"] for p in parts])),
                  topk_ids=np.concatenate([p["topk_ids"] for p in parts]),
-                 topk_logprobs=np.concatenate([p["topk_logprobs"] for p in parts]))
+                 topk_logprobs=quantize_logprobs(np.concatenate([p["topk_logprobs"] for p in parts])))

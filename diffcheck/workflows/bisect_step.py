@@ -122,6 +122,8 @@ def step(plan: Plan) -> int:
         # Exit 1 is also what Python gives an uncaught exception: without the
         # regression verdict in the ledger it is a crash, and a crash is skipped, never blamed.
         return done("crashed (exit 1, no verdict)", EXIT_BISECT_SKIP, runs=runs)
+    if judged is Verdict.INCONCLUSIVE:  # 125 too: undecided is skipped, never called good
+        return done("INCONCLUSIVE", EXIT_BISECT_SKIP, runs=runs)
     return done(f"engine failure (exit {rc})", EXIT_BISECT_SKIP, runs=runs)
 
 
