@@ -22,7 +22,7 @@ from diffcheck import cases as casesmod
 from diffcheck.core import config
 from diffcheck.core.errors import ConfigError, DataError, DiffcheckError
 from diffcheck.core.types import Run, Verdict
-from diffcheck.judging.floor import Floor, build_floor, precision_spec
+from diffcheck.judging.floor import Floor, build_floor, factors, precision_spec
 from diffcheck.storage import ledger as ledgermod
 from diffcheck.storage import store
 
@@ -286,11 +286,17 @@ def store_replica(root: Path, suite: str, reference_id: str, name: str, run: Run
     return path
 
 
-def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[Floor, list[str]]:
-    """The reference's floor from its stored replicas, and notes on any left out."""
+def load_floor(root: Path, suite: str, reference_id: str, golden: Run, *,
+               candidate: Run | None = None) -> tuple[Floor, list[str]]:
+    """The reference's floor from its stored replicas, and notes on any left out.
+
+    With `candidate`, a replica that varies a factor the candidate changes (`floor.factors`:
+    a batch shape, a backend, a TP size, an environment variable) is left out: a floor never
+    holds the factor under test, or a bug in that factor would be benign by construction."""
     replicas, notes = {}, []
     digest = store.content_digest(golden)
     spec = precision_spec(golden)
+    changed = factors(candidate, golden) if candidate is not None else set()
     for name, path in replica_files(root, suite, reference_id).items():
         run = store.read_run(path)
         if run.meta.kind == "forced" and run.meta.source.get("golden_digest") != digest:
@@ -300,6 +306,11 @@ def load_floor(root: Path, suite: str, reference_id: str, golden: Run) -> tuple[
         if precision_spec(run) != spec:  # a floor is keyed by (model, precision spec)
             notes.append(f"floor replica {path.name} has another precision spec than {reference_id} "
                          f"({precision_spec(run)} vs {spec}): left out")
+            continue
+        shared = sorted(factors(run, golden) & changed)
+        if shared:
+            notes.append(f"floor replica {path.name} varies {', '.join(shared)}, which {candidate.meta.case_id} "
+                         "changes: left out (a floor never holds the factor under test)")
             continue
         replicas[name] = run
     floor = build_floor(golden, replicas)

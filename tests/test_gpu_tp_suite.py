@@ -83,18 +83,6 @@ def test_the_fault_case_writes_its_marker_beside_the_goldens():
     assert SUITE.cases["H3"].expect.verdict == Verdict.GIBBERISH
 
 
-def test_the_tp1_reference_floor_gets_a_tp3_replica_and_the_cpu_suite_keeps_its_slow_tp_out():
-    """J1's candidates O3 and OF3 run at TP3, so J1's floor covers TP3; J3's candidates all run at TP3."""
-    from diffcheck.workflows.calibrate import perturbations_for
-
-    default = cases.load_suite(ROOT / "cases" / "default.toml")
-    names = {ref: [p.name for p in perturbations_for(suite, ref)] for suite, ref in
-             ((SUITE, "J1"), (SUITE, "J3"), (default, "J"))}
-    assert names == {"J1": ["restart", "batch3", "batch5", "tp3"],
-                     "J3": ["restart", "batch3", "batch5"],
-                     "J": ["restart", "batch3", "batch5"]}  # default's T3 (TP3) is tagged slow
-
-
 # -- stand-ins -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -241,3 +241,89 @@ def test_generate_only_never_calls_a_clean_sequence_garbage_and_faulted_graphs_s
     elif (case.engine.cudagraph_mode or "").startswith("FULL"):
         assert all(Verdict[v] in (Verdict.DEGRADED, Verdict.GIBBERISH) for v in verdicts), verdicts
         assert code == EXIT_REGRESSION
+
+
+# -- floors never hold the factor under test -----------------------------------------------------------
+
+
+def _engine(**changes) -> dict:
+    base = {"attention_backend": "CPU_ATTN", "max_num_seqs": 256, "tensor_parallel_size": 1, "cudagraph_mode": "NONE"}
+    return {"requested": {**base, **changes}, "effective": {**base, **changes}}
+
+
+def test_a_replica_that_varies_what_the_candidate_changes_is_left_out_of_its_floor(tmp_path):
+    """Replicas (stored as calibrate stores them) that vary the batch shape, the TP size and the
+    attention backend; candidates that change one of those, an environment variable, or nothing."""
+    from factories import make_run
+
+    from diffcheck import workspace
+
+    tokens = [[5, 6, 7, 8] * 8, [1, 2, 3, 4] * 8]
+    golden = make_run(tokens, case_id="J", suite="t", engine=_engine())
+    workspace.store_golden(tmp_path, cases.load_suite(write_tiny(tmp_path)).cases["J"], golden)
+    varied = {"restart": {}, "batch3": {"max_num_seqs": 3}, "tp2": {"tensor_parallel_size": 2},
+              "flash": {"attention_backend": "FLASH_ATTN"}}
+    for name, change in varied.items():
+        run = make_run(tokens, case_id="J", suite="t", kind="forced", seed=len(name), engine=_engine(**change))
+        workspace.store_replica(tmp_path, "t", "J", name, run, golden, perturbation=change, description=name)
+
+    def used(**meta) -> tuple[list[str], list[str]]:
+        floor, notes = workspace.load_floor(tmp_path, "t", "J", golden,
+                                            candidate=make_run(tokens, case_id="C", suite="t", role="candidate", **meta))
+        return sorted(floor.replicas), notes
+
+    assert used(engine=_engine())[0] == ["batch3", "flash", "restart", "tp2"]
+    assert used(engine=_engine(max_num_seqs=1))[0] == ["flash", "restart", "tp2"]
+    replicas, notes = used(engine=_engine(tensor_parallel_size=2))
+    assert replicas == ["batch3", "flash", "restart"]
+    assert notes == ["floor replica J.floor-tp2.parquet varies tensor_parallel_size, which C changes: left out "
+                     "(a floor never holds the factor under test)"]
+    assert used(engine=_engine(attention_backend="FLASH_ATTN", cudagraph_mode="FULL"))[0] == ["batch3", "restart", "tp2"]
+    assert used(engine=_engine(), env={"DIFFCHECK_FAULT": "lost-head"})[0] == ["batch3", "flash", "restart", "tp2"]
+    assert sorted(workspace.load_floor(tmp_path, "t", "J", golden)[0].replicas) == ["batch3", "flash", "restart", "tp2"]
+
+
+def write_tiny(folder: Path) -> Path:
+    from factories import write_suite
+
+    return write_suite(folder / "cases", {"J": {"role": "reference", "description": "reference"}}, name="t")
+
+
+def test_the_recorded_flash_attn_candidate_is_judged_without_the_flash_attn_replica(tmp_path, capsys):
+    """On the H200 recordings: OF (FLASH_ATTN) against J (TRITON_ATTN), whose floor holds a
+    FLASH_ATTN replica. That replica is left out and said so; OF still passes on the rest."""
+    code, verdicts = _rejudge("OF", tmp_path, generate_only=False)
+    assert code == EXIT_PASS and all(passes(Verdict[v]) for v in verdicts), verdicts
+    data = json.loads((tmp_path / "OF-False.json").read_text())
+    used = {c["reference_id"]: c["summary"]["floor"]["replicas"] for c in data["cases"]}
+    assert "flash-attn" not in used["J"] and used["J"] and used["F"]
+    shown = capsys.readouterr()
+    assert "floor replica J.floor-flash-attn.parquet varies attention_backend" in shown.out + shown.err
+
+
+def test_a_scoring_engine_that_fails_is_an_error_never_a_verdict_without_it(tmp_path, monkeypatch):
+    from factories import make_run, write_suite
+
+    from diffcheck import workspace
+    from diffcheck.core.errors import EngineError
+    from diffcheck.workflows import compare as cmp
+
+    suite = cases.load_suite(write_suite(tmp_path / "cases", {
+        "J": {"role": "reference", "description": "reference"},
+        "C": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "candidate"}}, name="t"))
+    root = tmp_path / "goldens"
+    golden = make_run([[5, 6, 7, 8] * 8], case_id="J", suite="t")
+    workspace.store_golden(root, suite.cases["J"], golden)
+    cand = make_run([[5, 6, 7, 8] * 4 + [9] * 16], case_id="C", suite="t", role="candidate", seed=3)
+
+    def scoring_dies(*args, **kwargs):
+        raise EngineError("EngineCore died (SIGKILL)")
+
+    monkeypatch.setattr(cmp, "run_candidate", lambda *a, **k: (cand, {}, []))
+    monkeypatch.setattr(cmp, "score_candidate", scoring_dies)
+    lines = []
+    comparison = cmp.compare(suite, "C", root=root, echo=lines.append)
+    assert comparison.verdict is Verdict.ERROR
+    (v,) = comparison.verdicts
+    assert "scoring with reference J failed: EngineCore died (SIGKILL)" in (v.error or "")
+    assert not any("judg" in line and "without" in line for line in lines), lines

@@ -55,6 +55,19 @@ def spec_change(reference: Run, candidate: Run) -> dict[str, tuple[Any, Any]]:
     return {k: (a[k], b[k]) for k in a if a[k] != b[k] and not (a[k] is None or b[k] is None)}
 
 
+def factors(run: Run, base: Run) -> set[str]:
+    """The engine settings (requested or effective) and environment variables in which `run`
+    differs from `base`: the factors a replica varies, or a candidate changes, against the
+    reference's golden. Only keys both runs record count (a key an older diffcheck did not
+    record is not a difference)."""
+    out: set[str] = set()
+    for table in ("requested", "effective"):
+        a, b = base.meta.engine.get(table) or {}, run.meta.engine.get(table) or {}
+        out |= {k for k in a.keys() & b.keys() if a[k] != b[k]}
+    env_a, env_b = base.meta.env or {}, run.meta.env or {}
+    return out | {f"env.{k}" for k in env_a.keys() | env_b.keys() if env_a.get(k) != env_b.get(k)}
+
+
 @dataclass(frozen=True)
 class Floor:
     """Benign same-context variation of one reference, pooled over its replicas."""

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffcheck import cases as casesmod
 from diffcheck import workspace
 from diffcheck.core import progress
 from diffcheck.core.errors import DataError
@@ -41,28 +40,14 @@ class Perturbation:
 # Harmless for any correct engine: a fresh process, and other batch shapes (every
 # prompt meets other batch neighbours and other kernel tilings). The unbatched and
 # 2-per-batch shapes stay out: the default suite judges F and S2 against the floor.
+# No tensor-parallel replica: a TP candidate is judged against its reference's own
+# parallelism, and a replica that varies what a candidate changes is left out of that
+# candidate's floor anyway (`workspace.load_floor`).
 PERTURBATIONS = (
     Perturbation("restart", "a fresh engine with the same configuration", {}),
     Perturbation("batch3", "at most 3 sequences per batch", {"max_num_seqs": 3}),
     Perturbation("batch5", "at most 5 sequences per batch", {"max_num_seqs": 5}),
 )
-
-
-def perturbations_for(suite, reference_id: str, *, exclude_tags=casesmod.NOT_BY_DEFAULT) -> tuple[Perturbation, ...]:
-    """The default perturbations, plus one per tensor-parallel size that a candidate of the
-    suite judged against this reference runs at: parallelism changes the reduction order,
-    so a TP candidate is judged against a floor that covers its TP size too.
-
-    Candidates tagged with an `exclude_tags` tag the reference does not carry are left out
-    (a slow TP case on the CPU lane; GPU cases of a CPU reference); a GPU reference's GPU
-    candidates count."""
-    ref = suite.cases[reference_id]
-    own = ref.engine.tensor_parallel_size or 1
-    excluded = set(exclude_tags) - set(ref.tags)
-    sizes = sorted({c.engine.tensor_parallel_size or 1 for c in suite.cases.values()
-                    if reference_id in c.references and not excluded & set(c.tags)} - {own})
-    return PERTURBATIONS + tuple(Perturbation(f"tp{n}", f"tensor parallel {n}", {"tensor_parallel_size": n})
-                                 for n in sizes)
 
 
 def calibrate(case, *, root: Path, golden: Run, perturbations=PERTURBATIONS, verbose: bool = False,

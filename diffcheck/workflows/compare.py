@@ -128,6 +128,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     tolerances = classify.Tolerances.from_dict(case.tolerances or {},
                                                source=f"{case.source}: [cases.{case.id}.tolerances]")
     reused: list[str] = []
+    failed: dict[str, str] = {}  # reference -> why its scoring engine failed: an ERROR, never judged without it
     if run_file is not None:
         # Offline re-judging: only recorded files, never an engine.
         candidate = store.read_run(Path(run_file))
@@ -147,7 +148,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                         scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
                                                     verbose=verbose, echo=echo, session=session)
                     except EngineError as exc:
-                        echo(f"{case.id}: reference scoring failed ({exc.message}); judged without it")
+                        failed[r] = exc.message
                 else:
                     echo(f"{case.id}: no scored file beside {run_file} and {local}: judged without scoring")
     else:
@@ -165,13 +166,17 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                     scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
                                                 verbose=verbose, echo=echo, session=session)
                 except EngineError as exc:
-                    echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
+                    failed[r] = exc.message
     tok = models.load_tokenizer(case.model)
     token_text = (lambda t: tok.decode([int(t)])) if tok is not None else None
     verdicts = []
     n_tests = tests or sum(len(candidate.sequences) for _ in references)
     for r in references:
-        floor, notes = workspace.load_floor(root, suite.name, r, full[r])
+        if r in failed:
+            echo(f"{case.id} vs {r}: ERROR: scoring with reference {r} failed: {failed[r]}")
+            verdicts.append(classify.error_verdict(case.id, r, f"scoring with reference {r} failed: {failed[r]}"))
+            continue
+        floor, notes = workspace.load_floor(root, suite.name, r, full[r], candidate=candidate)
         for note in notes:
             echo(note)
         signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))

@@ -55,8 +55,8 @@ def candidate_job(case, ref_cases: dict, goldens: dict[str, Run], verbose: bool 
     """Generate the candidate, force it along each golden, and (with `score`) score it where it
     diverged.
 
-    A scoring engine that fails leaves that scoring out (the judge then says it had no
-    scoring); a failing candidate engine is the job's `EngineError`. Without `score`, the
+    A failing candidate or scoring engine is the job's `EngineError` (an ERROR, never a
+    verdict judged without that scoring). Without `score`, the
     driver's judging scores it (`diffcheck.workflows.compare.score_candidate`, which reuses
     a stored scoring of the same content)."""
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def candidate_job(case, ref_cases: dict, goldens: dict[str, Run], verbose: bool 
             try:
                 scored[ref_id] = sessionmod.score(ref_case, cand, verbose=verbose, echo=echo)
             except EngineError as exc:
-                echo(f"{case.id}: reference scoring failed ({exc.message}); judging without it")
+                raise EngineError(f"scoring with reference {ref_id} failed: {exc.message}") from exc
     return CandidateResult(cand, forced, scored, time.perf_counter() - t0)
 
 

@@ -93,8 +93,9 @@ def localize(case, *, suite, root: Path, reference: str | None = None, step: int
     if t >= longest:
         raise ConfigError(f"--step {t}: golden {ref_id} has {longest} steps at most (valid: 0..{longest - 1})")
     steps = tuple(range(max(0, t - around), t + 1))
-    if perturbations is None:
-        perturbations = calibrate.perturbations_for(suite, ref_id)
+    if perturbations is None:  # the calibrate replicas, less any that vary what the candidate changes
+        changed = {key.split(".", 1)[1] for key in casesmod.config_delta(case, ref_case) if key.startswith("engine.")}
+        perturbations = tuple(p for p in calibrate.PERTURBATIONS if not set(p.engine) & changed)
     captures = {} if captures is None else captures
     digest = store.content_digest(golden)
     timings: dict[str, float] = {}
