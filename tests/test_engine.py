@@ -11,18 +11,22 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-# Two engines open at once (as selftest's pool holds them), then closed; the last one's engine core
-# dies first (as in a crash). Nothing of either may be left running, and the process must exit 0.
+# Two engines open at once (as selftest's pool holds them), then closed: J in this process, S1 as vLLM
+# starts it by default (its own engine-core process, chosen with vLLM's own variable in its case env),
+# whose engine core dies first (as in a crash). Nothing of either may be left running, and the process
+# must exit 0.
 TWO_ENGINES = """
-import multiprocessing, os, signal, sys, threading
+import dataclasses, multiprocessing, os, signal, sys, threading
 from diffcheck import cases
 from diffcheck.engines import session as sessionmod
 
 suite = cases.load_suite(sys.argv[1])
+s1 = dataclasses.replace(suite.cases["S1"], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
 with sessionmod.EngineSession() as pool:
-    for cid in ("J", "S1"):
+    for case, layout in ((suite.cases["J"], "in-process"), (s1, "vllm default")):
         threads, cores = threading.active_count(), multiprocessing.active_children()
-        engine = pool.get(suite.cases[cid], echo=lambda _: None)
+        engine = pool.get(case, echo=lambda _: None)
+        assert engine.info()["processes"] == layout, engine.info()["processes"]
         assert engine.generate().n_tokens > 0
     os.kill(next(p for p in multiprocessing.active_children() if p not in cores).pid, signal.SIGKILL)
     engine.close()  # the pool closes it again (a no-op), then J
@@ -39,6 +43,51 @@ def test_two_engines_close_and_the_process_exits_cleanly(smoke_suite_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
+
+
+# One case in each process layout (`vllm_args.process_layout`), one after another, then two at once;
+# every run must be the same bits. Printed: the layouts in order.
+LAYOUTS = """
+import dataclasses, sys
+import numpy as np
+from diffcheck import cases
+from diffcheck.engines import session as sessionmod
+
+j = cases.load_suite(sys.argv[1]).cases["J"]
+def run(case):
+    engine = sessionmod.open_engine(case)
+    try:
+        return engine.info()["processes"], engine.generate()
+    finally:
+        engine.close()
+def same(a, b):
+    assert [s.text for s in a.sequences] == [s.text for s in b.sequences]
+    for name in ("token_id", "logprob", "topk_ids", "topk_logprobs"):
+        assert np.array_equal(getattr(a.steps, name), getattr(b.steps, name)), name
+layouts = []
+first, ref = run(j)
+layouts.append(first)
+for env in ({"DIFFCHECK_UNUSED": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}):
+    layout, other = run(dataclasses.replace(j, env=env))
+    layouts.append(layout)
+    same(other, ref)
+held = sessionmod.open_engine(j)
+try:
+    layout, other = run(j)  # while another engine's core runs in this process
+    layouts.append(layout)
+    same(other, ref)
+    same(held.generate(), ref)  # the held engine still works after the other one stopped
+finally:
+    held.close()
+print(" ".join(l.replace(" ", "-") for l in layouts))
+"""
+
+
+def test_every_process_layout_gives_the_same_bits(smoke_suite_path):
+    proc = subprocess.run([sys.executable, "-c", LAYOUTS, str(smoke_suite_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-4:] == ["in-process", "workers-separate", "vllm-default", "vllm-default"]
 
 
 def test_generate_captures_topk(reference_run, engine):

@@ -177,6 +177,8 @@ def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatc
     marker = tmp_path / "logs" / "m.jsonl"  # a folder the marker makes
     spec = parse_env({"DIFFCHECK_FAULT": "rope-offset", "DIFFCHECK_FAULT_STEP": "2", "DIFFCHECK_FAULT_MARKER": str(marker)})
     monkeypatch.setattr(runtime, "STATE", runtime._State(spec=spec))
+    # no vLLM group in this process (an in-process engine of this test session may have made one)
+    monkeypatch.delitem(sys.modules, "vllm.distributed.parallel_state", raising=False)
     clock = runtime.STATE.clock
     flags = []
     for max_query_len in (9, 1, 1, 1, 1):
@@ -185,7 +187,7 @@ def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatc
     assert flags == [False, False, False, True, True]
     events = [json.loads(line) for line in marker.read_text().splitlines()]
     assert [(e["event"], e["step"], e["pid"]) for e in events] == [("acting", 2, os.getpid())]
-    assert (events[0]["tp_rank"], events[0]["tp_size"]) == (None, None)  # no vLLM group in this process
+    assert (events[0]["tp_rank"], events[0]["tp_size"]) == (None, None)
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,9 @@ def _kill_worker_once(name: str, killed: list, stop: threading.Event) -> None:
                 except psutil.NoSuchProcess:
                     continue
                 first = seen.setdefault(p.pid, time.monotonic())
-                if children or time.monotonic() - first > 8:  # the task is mid-way (its engine starting)
+                # the task is mid-way: its engine's processes are up, or it has run a second (an in-process
+                # engine starts in a few seconds and has none)
+                if children or time.monotonic() - first > 1:
                     for proc in [p, *children]:  # the worker first: Ray must see it die
                         try:
                             proc.kill()

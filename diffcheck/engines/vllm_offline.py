@@ -31,13 +31,17 @@ from typing import Any
 from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, ForcedRows, run_meta
 from diffcheck.engines.registry import register_engine
-from diffcheck.engines.vllm_args import effective_config, engine_env, is_cpu, llm_kwargs
+from diffcheck.engines.vllm_args import (core_here, effective_config, engine_env, fresh_envs, is_cpu, llm_kwargs,
+                                         process_layout, workers_here)
 from diffcheck.engines.vllm_logs import captured_output, private_log_dir, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
 from diffcheck.engines.vllm_progress import run_requests, tail_phases
 from diffcheck.core.errors import EngineError
 from diffcheck.storage.identity import vllm_source_state
 from diffcheck.core.types import Run, SequenceInfo
+
+# The open engines whose engine core runs in this process (`vllm_args.process_layout`).
+_CORES_HERE: set[int] = set()
 
 # How long close() waits for the threads vLLM started in this process to end after its shutdown.
 THREAD_JOIN_S = 10.0
@@ -75,6 +79,16 @@ def _capture_settings(sampling_params_cls, *, stop) -> dict[str, Any]:
     if not stop:
         settings["detokenize"] = False
     return settings
+
+
+def process_patched() -> bool:
+    """Whether this process may hold a fault or a plugin module (`vllm_args.process_layout`): one is
+    patched in already, or this process's own environment selects one (vLLM loads its general
+    plugins under it, `diffcheck.plugins`)."""
+    from diffcheck import faults
+
+    return (faults.active_spec() is not None or faults.parse_env(os.environ) is not None
+            or bool(os.environ.get("DIFFCHECK_PLUGIN_MODULES")))
 
 
 def trace_replay_available() -> bool:
@@ -162,13 +176,38 @@ class VllmOffline(Engine):
             from diffcheck.engines.taps import WORKER_EXTENSION
 
             kw["worker_extension_cls"] = WORKER_EXTENSION
+        layout_kw, layout_env, self.processes = process_layout(
+            on_cpu=on_cpu, case_env=self.env, kw=kw, process_patched=process_patched(), core_here=bool(_CORES_HERE))
+        kw.update(layout_kw)
         self.llm_kwargs = {k: v for k, v in kw.items() if k != "logits_processors"}
-        self.llm_env = {**env, **self.env}
+        self.llm_env = {**env, **layout_env, **self.env}
+        from vllm.plugins import load_general_plugins
+
+        if self.processes != "vllm default":
+            # vLLM loads its general plugins once per process: loaded here, under diffcheck's own
+            # environment, a case's fault patches only the worker processes its engine starts.
+            load_general_plugins()
+        if on_cpu:
+            # An in-process model load draws tqdm bars here; tqdm's monitor thread would outlive the engine.
+            import tqdm
+
+            tqdm.tqdm.monitor_interval = 0
+        reload_plugins = self.processes == "vllm default" and workers_here(self.llm_env, kw)
         before = set(threading.enumerate())
         failure = None
         try:
             with engine_env(self.llm_env), captured_output(self.log_path), tail_phases(self.log_path, self.on_phase):
+                fresh_envs()
+                if reload_plugins:
+                    # The case itself put its workers into this process: its fault and plugin modules
+                    # go in here, whatever engine this process ran before (vLLM loads plugins once).
+                    import vllm.plugins
+
+                    vllm.plugins.plugins_loaded = False
+                    load_general_plugins()
                 self.llm = LLM(**kw)
+            if core_here(self.llm_env):
+                _CORES_HERE.add(id(self))
         except Exception as exc:
             failure = root_cause(exc, read_log(self.log_path))
         # The daemon threads vLLM started here (engine-core output reader, process monitor): the
@@ -190,6 +229,7 @@ class VllmOffline(Engine):
                 "llm_kwargs": {k: v for k, v in self.llm_kwargs.items() if k != "model"},
                 "effective": effective_config(self.llm),
                 "forcing_mechanism": self.mechanism,
+                "processes": self.processes,
                 "trace_replay_available": self.trace_replay,
             }
         except BaseException:
@@ -217,6 +257,7 @@ class VllmOffline(Engine):
                 traceback.print_exc()  # into the engine log (the terminal with --verbose)
         del llm
         self._release()
+        _CORES_HERE.discard(id(self))
 
     def _release(self) -> None:
         """Drop what still refers to the engine, collect it, and wait for vLLM's threads here."""
