@@ -9,6 +9,8 @@ SUITE   ?= default
 CASE    ?= O
 MODEL   ?= smollm2-135m
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test: one per core of this project's machines
+WORKERS ?= 2
 
 .PHONY: install model browser golden test compare bench selftest measured gpu-bundle clean
 
@@ -39,7 +41,7 @@ browser:
 
 test: model browser
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 compare: model
 	$(BIN)/diffcheck compare $(CASE) --suite $(SUITE) --html reports/$(CASE).html --json reports/$(CASE).json

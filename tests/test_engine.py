@@ -45,8 +45,8 @@ def test_two_engines_close_and_the_process_exits_cleanly(smoke_suite_path):
     assert "terminate called" not in proc.stderr
 
 
-# One case in each process layout (`vllm_args.process_layout`), one after another, then two at once;
-# every run must be the same bits. Printed: the layouts in order.
+# One case in each process layout (`vllm_args.process_layout`, its rule: tests/test_process_layout.py),
+# the third while the first is held open; every run must be the same bits. Printed: the layouts in order.
 LAYOUTS = """
 import dataclasses, sys
 import numpy as np
@@ -67,10 +67,9 @@ def same(a, b):
 layouts = []
 first, ref = run(j)
 layouts.append(first)
-for env in ({"DIFFCHECK_UNUSED": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}):
-    layout, other = run(dataclasses.replace(j, env=env))
-    layouts.append(layout)
-    same(other, ref)
+layout, other = run(dataclasses.replace(j, env={"DIFFCHECK_UNUSED": "1"}))
+layouts.append(layout)
+same(other, ref)
 held = sessionmod.open_engine(j)
 try:
     layout, other = run(j)  # while another engine's core runs in this process
@@ -87,7 +86,7 @@ def test_every_process_layout_gives_the_same_bits(smoke_suite_path):
     proc = subprocess.run([sys.executable, "-c", LAYOUTS, str(smoke_suite_path)], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-4:] == ["in-process", "workers-separate", "vllm-default", "vllm-default"]
+    assert proc.stdout.split()[-3:] == ["in-process", "workers-separate", "vllm-default"]
 
 
 def test_generate_captures_topk(reference_run, engine):

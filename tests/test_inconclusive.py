@@ -57,6 +57,7 @@ def test_the_commands_take_allow_inconclusive():
 # ---------------------------------------------------------------- the decision, on known arrays
 
 import math  # noqa: E402
+from statistics import NormalDist  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -90,9 +91,28 @@ def test_many_steps_of_a_small_effect_are_within():
 
 def test_a_bound_across_the_margin_is_undecided_not_a_pass():
     # mean 0.01 inside the margin 0.02, but block means spread 0.02: upper bound beyond it
+    # (a floor of small spread: its detectable effect is well inside the margin, so this is not thin)
     blocks = np.repeat(np.tile([-0.01, 0.03], 4), BLOCK)
-    e = effect_test("loss", blocks, margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    e = effect_test("loss", blocks, margin=0.02, sigma_floor=0.001, alpha=0.05, beta=0.2, tests=1)
     assert e.lower < 0.02 < e.upper and not e.beyond and not e.within and not e.thin
+
+
+def test_on_a_zero_floor_the_paths_own_spread_sets_the_power():
+    # A floor of exactly 0 (the CPU lane) has no spread to plan with. Mean 0, block means ±0.02:
+    # the upper bound (0.012) is inside the margin 0.02, but an effect of the margin's size would
+    # go unseen more often than β allows, so this is thin, never a pass.
+    blocks = np.repeat(np.tile([-0.02, 0.02], 4), BLOCK)
+    e = effect_test("loss", blocks, margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    se = np.std(np.tile([-0.02, 0.02], 4), ddof=1) / math.sqrt(8)
+    assert math.isclose(e.se, se, rel_tol=1e-9) and e.upper < 0.02
+    assert math.isclose(e.mde, (Z1 + NormalDist().inv_cdf(0.8)) * math.sqrt(2) * se, rel_tol=1e-9)
+    assert e.mde > 0.02 and e.thin.startswith("128 steps detect only") and not e.within
+    # half the spread: the same bound rule, now with the power to show the margin
+    e = effect_test("loss", blocks / 2, margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    assert e.within and not e.thin
+    # a bitwise-identical path: no spread at all, plainly within
+    e = effect_test("loss", np.zeros(32), margin=0.02, sigma_floor=0.0, alpha=0.05, beta=0.2, tests=1)
+    assert e.within and e.mde == 0.0
 
 
 def test_power_too_low_for_the_margin_is_thin():

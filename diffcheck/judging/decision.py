@@ -29,8 +29,9 @@ standard error worth the name: less than one batch-means block by default), or w
 minimum detectable effect of this many blocks, ``(z + z_β) · σ_floor · √(2/n_blocks)``
 (the two-sample power formula of TensorRT-LLM's accuracy suite), is above the margin:
 an effect of the margin's size would likely go unseen. On a floor of exactly zero (the
-CPU lane) σ_floor is 0, so only ``min_steps`` can make evidence thin there; a forced
-replay that is bitwise identical (estimate 0, se 0) is then plainly within. Each result
+CPU lane) there is no σ_floor to plan with, so the path's own spread of block means stands
+in for it: a path that wanders too much to show an effect of the margin's size is thin, not
+a pass; a forced replay that is bitwise identical (estimate 0, se 0) is plainly within. Each result
 carries both bounds, the p-values of "within" and of "beyond", the minimum detectable
 effect, and, when undecided, what would decide it (`undecided_reasons`).
 
@@ -131,7 +132,12 @@ def effect_test(name: str, values: np.ndarray, *, margin: float, sigma_floor: fl
     else:
         p = 0.0 if (est > margin and finite) else 1.0
         p_beyond = 0.0 if (est < margin and finite) else 1.0
-    mde = detectable(n, sigma_floor, z=z, beta=beta)
+    if sigma_floor > 0 or not n:
+        mde = detectable(n, sigma_floor, z=z, beta=beta)
+    else:
+        # A floor of exactly zero (the CPU lane) has no spread to plan with: this path's own does.
+        # se is the spread of its block means over √n_blocks, so this is detectable() with that spread.
+        mde = (z + _N.inv_cdf(1.0 - beta)) * math.sqrt(2.0) * se if finite else math.inf
     if n < min_steps:
         thin = f"{n} step{'s' if n != 1 else ''}, fewer than the {min_steps} an equivalence needs (min_steps)"
     elif mde > margin:
