@@ -1,7 +1,7 @@
 """The faults inside a real vLLM engine (CPU lane, SmolLM2-135M, greedy, 2 prompts x 48 tokens, N = 16).
 
-One engine per config is the expensive part (~20-70 s start each, depending on the
-machine's load), so a single helper subprocess (``python -m tools.fault_smoke``)
+One engine per config is the expensive part (~10-25 s start and stop each on CPU, depending
+on the machine's load), so a single helper subprocess (``python -m tools.fault_smoke``)
 runs every config this session selected, one engine after another, and writes all
 token ids, texts and marker lines to one JSON file; the tests below only read it.
 Only the configs of the selected tests are run (``-k stale`` starts two engines).
