@@ -31,9 +31,16 @@ Examples:
 @click.option("--own-golden", is_flag=True,
               help="A reference case: also judge a fresh run against its own golden (automatic for a reference "
                    "without references).")
+@click.option("--until-decided", is_flag=True,
+              help="Extend INCONCLUSIVE sequences look after look (the reference's continuation, the candidate "
+                   "forced along it, steps doubling) until decided or --max-tokens; alpha is split over the planned "
+                   "looks (Bonferroni). Needs the engines: not with --run.")
+@click.option("--max-tokens", "max_tokens", default=None, metavar="N",
+              help="With --until-decided: the longest path (decode steps per sequence) a sequence is extended to "
+                   "(default 1024).")
 @click.pass_context
 def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_path, strict, allow_inconclusive,
-            force, bisect_codes, replay, own_golden):
+            force, bisect_codes, replay, own_golden, until_decided, max_tokens):
     """Run candidate CASE_ID (or read --run FILE) and judge it against its reference goldens.
 
     A reference case (J) is re-run with today's code and engine and judged against its own
@@ -56,16 +63,31 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     from diffcheck.report import report_input, speed_summary
     from diffcheck.report.results import ComparisonReport
 
+    from diffcheck.core.errors import ConfigError
+    from diffcheck.workflows import sequential
+
+    if max_tokens is not None and not until_decided:
+        raise ConfigError("--max-tokens is valid only with --until-decided (the budget of a sequential extension)")
+    if until_decided and run_file:
+        raise ConfigError("--until-decided needs the engines to extend a sequence; it is not valid with --run FILE")
+    if until_decided:
+        max_tokens = sequential.check_max_tokens(sequential.DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
     requested = outputs("comparison", json=json_path, junit=junit_path, html=html_path)
     echo = echo_for(requested)
     try:
         s = cases.load_suite(suite)
         root = workspace.goldens_root(goldens)
         with progress.display(verbose=ctx.obj.get("verbose", False)) as shown:
-            shown.stage(f"compare {case_id}")
-            comparison = api.compare_case(case_id, suite=s, goldens=root, run_file=Path(run_file) if run_file else None,
-                                          verbose=ctx.obj.get("verbose", False), force=force, echo=shown.log,
-                                          replay=replay, own_golden=own_golden or None)
+            shown.stage(f"compare {case_id}" + (" --until-decided" if until_decided else ""))
+            if until_decided:
+                comparison = sequential.until_decided(s, case_id, root=root, max_tokens=max_tokens,
+                                                      verbose=ctx.obj.get("verbose", False), force=force,
+                                                      echo=shown.log, replay=replay, own_golden=own_golden or None)
+            else:
+                comparison = api.compare_case(case_id, suite=s, goldens=root,
+                                              run_file=Path(run_file) if run_file else None,
+                                              verbose=ctx.obj.get("verbose", False), force=force, echo=shown.log,
+                                              replay=replay, own_golden=own_golden or None)
     except DiffcheckError as exc:
         if bisect_codes and exc.exit_code == EXIT_ENGINE:
             exc.exit_code = EXIT_BISECT_SKIP
@@ -73,7 +95,8 @@ def compare(ctx, case_id, suite, goldens, run_file, json_path, junit_path, html_
     for line in comparison.reused:
         echo(line)
     meta = {"suite": s.name, "candidate": case_id, "references": [v.reference_id for v in comparison.verdicts],
-            "command": "diffcheck compare " + case_id + (f" --run {run_file}" if run_file else "")}
+            "command": "diffcheck compare " + case_id + (f" --run {run_file}" if run_file else "")
+            + (f" --until-decided --max-tokens {max_tokens}" if until_decided else "")}
     if comparison.candidate is not None:
         meta["engine"] = {k: comparison.candidate.meta.engine.get(k) for k in ("name", "version", "commit", "forcing_mechanism")}
         meta["hardware"] = comparison.candidate.meta.hardware

@@ -139,6 +139,7 @@ def compare_runs(
     text_metrics: bool = True,
     floor: Floor | None = None,
     tests: int | None = None,
+    forced_reference: Run | None = None,
 ) -> CaseVerdict:
     """Judge every candidate sequence against its reference sequence.
 
@@ -151,7 +152,11 @@ def compare_runs(
     `floor`: the reference's noise floor (`floor.build_floor`); without one, margins
     sit at diffcheck's resolution and the summary says so. `tests`: how many
     sequences are judged at once across every comparison of the command (default:
-    this comparison's), for the multiple-testing correction.
+    this comparison's), for the multiple-testing correction. `forced_reference`: the
+    reference path `forced` followed when it is longer than `reference` (a sequential
+    extension, `judging.sequential`): the forced path's statistics read it, from the same
+    prompts and the same first tokens; alignment, t* and the text signals still read
+    `reference`.
     """
     tol = tolerances
     _check_kind(reference, "generate", "reference")
@@ -167,8 +172,13 @@ def compare_runs(
     if forced is not None:
         _check_kind(forced, "forced", "forced")
         forced_layout = Layout.of(forced)
-        n = check_follows(reference, forced, ref, forced_layout, what="forced", against="reference")
-        fpath = same_context_path(reference, forced, ref, forced_layout, n, tol, lim)
+        lead, lead_layout = reference, ref
+        if forced_reference is not None:
+            _check_kind(forced_reference, "generate", "forced reference")
+            lead, lead_layout = forced_reference, Layout.of(forced_reference)
+            check_follows(forced_reference, reference, lead_layout, ref, what="reference", against="extended reference")
+        n = check_follows(lead, forced, lead_layout, forced_layout, what="forced", against="reference")
+        fpath = same_context_path(lead, forced, lead_layout, forced_layout, n, tol, lim)
     if scored is not None:
         _check_kind(scored, "scored", "scored")
         scored_layout = Layout.of(scored)

@@ -33,6 +33,8 @@ class Comparison:
     goldens: dict[str, Run]
     reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
     forced: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> forced run, where one exists
+    scored: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> its scoring of the candidate
+    tests: int = 0  # the tests each decision was corrected for (sequences × planned looks)
 
     @property
     def verdict(self) -> Verdict:
@@ -88,7 +90,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
             tests: int | None = None, replay: str | None = None, own_golden: bool | None = None,
             view: Callable[[Run], Run] | None = None,
-            candidate_session: sessionmod.EngineSession | None = None) -> Comparison:
+            candidate_session: sessionmod.EngineSession | None = None, looks: int = 1) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
 
     `own_golden`: a reference case is also judged against its own stored golden (default:
@@ -107,22 +109,14 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     `diffcheck reduce`: the golden cut to the probe's prompts and steps, `judging.align.prefix_view`);
     each floor is still the full golden's. `candidate_session`: the candidate runs on that
     session's engine of its configuration, kept open for the next case that differs only in
-    prompts or sampling (`EngineSession.rebound`).
+    prompts or sampling (`EngineSession.rebound`). `looks`: the most looks a sequential
+    extension may take of each sequence (`workflows.sequential`); every decision is then
+    corrected for sequences × looks tests, this first look included.
     """
-    from diffcheck.engines import models
     from diffcheck.judging import classify
 
     case = casesmod.get_case(suite, case_id)
-    references = list(case.references)
-    if own_golden is None:
-        own_golden = case.role == "reference" and not references
-    if own_golden:
-        if case.role != "reference":
-            raise ConfigError(f"{casesmod.display_path(case.source)}: case '{case_id}' is a {case.role}: only a "
-                              "reference has a golden of its own to be judged against")
-        references = [case.id] + [r for r in references if r != case.id]
-    if not references:
-        raise DiffcheckError(f"case '{case_id}' has no references to compare against (it is a {case.role})")
+    references = judged_references(case, own_golden)
     full = {r: workspace.load_golden(root, suite.name, r) for r in references}
     goldens = {r: view(g) for r, g in full.items()} if view is not None else full
     tolerances = classify.Tolerances.from_dict(case.tolerances or {},
@@ -167,33 +161,70 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                                                 verbose=verbose, echo=echo, session=session)
                 except EngineError as exc:
                     failed[r] = exc.message
-    tok = models.load_tokenizer(case.model)
-    token_text = (lambda t: tok.decode([int(t)])) if tok is not None else None
+    token_text = token_texts(case)
     verdicts = []
-    n_tests = tests or sum(len(candidate.sequences) for _ in references)
+    n_tests = (tests or sum(len(candidate.sequences) for _ in references)) * max(int(looks), 1)
     for r in references:
         if r in failed:
             echo(f"{case.id} vs {r}: ERROR: scoring with reference {r} failed: {failed[r]}")
             verdicts.append(classify.error_verdict(case.id, r, f"scoring with reference {r} failed: {failed[r]}"))
             continue
-        floor, notes = workspace.load_floor(root, suite.name, r, full[r], candidate=candidate)
-        for note in notes:
-            echo(note)
-        signals = ["generate"] + [name for name, have in (("forced replay", r in forced), ("scoring", r in scored))
-                                  if have]
-        lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
-        if r == case.id:
-            lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
-        echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
-        v = classify.compare_runs(goldens[r], candidate, forced=forced.get(r), scored=scored.get(r),
-                                  tolerances=tolerances, candidate_id=case.id, reference_id=r,
-                                  token_text=token_text, floor=floor, tests=n_tests)
-        delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
-        summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}
-        verdicts.append(dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary))
+        verdicts.append(judge_reference(suite, case, r, golden=goldens[r], full_golden=full[r], candidate=candidate,
+                                        forced=forced.get(r), scored=scored.get(r), tolerances=tolerances,
+                                        token_text=token_text, tests=n_tests, root=root, echo=echo))
     workspace.set_verdict(root, candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
-                      forced=dict(forced))
+                      forced=dict(forced), scored=dict(scored), tests=n_tests)
+
+
+def judged_references(case, own_golden: bool | None = None) -> list[str]:
+    """The references `case` is judged against: its own golden first where it is judged against one
+    (`own_golden`, default: a reference without references), then its references."""
+    references = list(case.references)
+    if own_golden is None:
+        own_golden = case.role == "reference" and not references
+    if own_golden:
+        if case.role != "reference":
+            raise ConfigError(f"{casesmod.display_path(case.source)}: case '{case.id}' is a {case.role}: only a "
+                              "reference has a golden of its own to be judged against")
+        references = [case.id] + [r for r in references if r != case.id]
+    if not references:
+        raise DiffcheckError(f"case '{case.id}' has no references to compare against (it is a {case.role})")
+    return references
+
+
+def token_texts(case) -> Callable[[int], str] | None:
+    """A token id's text in `case`'s tokenizer, for evidence lines (None without a tokenizer)."""
+    from diffcheck.engines import models
+
+    tok = models.load_tokenizer(case.model)
+    return (lambda t: tok.decode([int(t)])) if tok is not None else None
+
+
+def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candidate: Run, forced: Run | None,
+                    scored: Run | None, tolerances, token_text, tests: int, root: Path, echo: Echo = print,
+                    forced_reference: Run | None = None, quiet: bool = False):
+    """The candidate judged against reference `r`'s golden and floor (`classify.compare_runs`), with the
+    config delta and the signals it lacked. `forced_reference`: the longer reference path `forced`
+    followed (a sequential extension); `quiet`: no lines about the floor and the signals."""
+    from diffcheck.judging import classify
+
+    floor, notes = workspace.load_floor(root, suite.name, r, full_golden, candidate=candidate)
+    lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
+    if r == case.id:
+        lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
+    if not quiet:
+        for note in notes:
+            echo(note)
+        signals = ["generate"] + [name for name, have in (("forced replay", forced is not None),
+                                                          ("scoring", scored is not None)) if have]
+        echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
+    v = classify.compare_runs(golden, candidate, forced=forced, scored=scored, tolerances=tolerances,
+                              candidate_id=case.id, reference_id=r, token_text=token_text, floor=floor, tests=tests,
+                              forced_reference=forced_reference)
+    delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
+    summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}
+    return dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary)
 
 
 def error_comparison(case, message: str) -> Comparison:
