@@ -11,44 +11,17 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-# Two engines open at once (as selftest's pool holds them), then closed: J in this process, S1 as vLLM
-# starts it by default (its own engine-core process, chosen with vLLM's own variable in its case env),
-# whose engine core dies first (as in a crash). Nothing of either may be left running, and the process
-# must exit 0.
-TWO_ENGINES = """
-import dataclasses, multiprocessing, os, signal, sys, threading
-from diffcheck import cases
-from diffcheck.engines import session as sessionmod
-
-suite = cases.load_suite(sys.argv[1])
-s1 = dataclasses.replace(suite.cases["S1"], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-with sessionmod.EngineSession() as pool:
-    for case, layout in ((suite.cases["J"], "in-process"), (s1, "vllm default")):
-        threads, cores = threading.active_count(), multiprocessing.active_children()
-        engine = pool.get(case, echo=lambda _: None)
-        assert engine.info()["processes"] == layout, engine.info()["processes"]
-        assert engine.generate().n_tokens > 0
-    os.kill(next(p for p in multiprocessing.active_children() if p not in cores).pid, signal.SIGKILL)
-    engine.close()  # the pool closes it again (a no-op), then J
-    assert threading.active_count() == threads, threading.enumerate()
-assert threading.active_count() == 1, threading.enumerate()
-assert not multiprocessing.active_children(), multiprocessing.active_children()
-"""
-
-
-def test_two_engines_close_and_the_process_exits_cleanly(smoke_suite_path):
-    # Runs first in this module, before the shared engine starts. A daemon thread of an engine still
-    # running at interpreter exit aborts the process (exit 134) after a run that otherwise passed.
-    proc = subprocess.run([sys.executable, "-c", TWO_ENGINES, str(smoke_suite_path)], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "terminate called" not in proc.stderr
-
-
-# One case in each process layout (`vllm_args.process_layout`, its rule: tests/test_process_layout.py),
-# the third while the first is held open; every run must be the same bits. Printed: the layouts in order.
+# One fresh process runs one case in each process layout (`vllm_args.process_layout`, its rule:
+# tests/test_process_layout.py) and compares every token and logprob with the first run's: in-process
+# (then stopped), workers separate (a case env), and, with an in-process engine held open in a pool
+# (as selftest's pool holds engines), a second engine in vLLM's default layout (its own engine-core
+# process, chosen with vLLM's own variable in its case env). That engine core then dies (as in a
+# crash); the held engine must still give the same bits, nothing of either engine may be left
+# running, and the process must exit 0 (a daemon thread of an engine still running at interpreter
+# exit aborts the process, exit 134, after a run that otherwise passed). One process instead of two
+# (each pays its own vLLM import and in-process engine start). Printed: the layouts in order.
 LAYOUTS = """
-import dataclasses, sys
+import dataclasses, multiprocessing, os, signal, sys, threading
 import numpy as np
 from diffcheck import cases
 from diffcheck.engines import session as sessionmod
@@ -70,14 +43,21 @@ layouts.append(first)
 layout, other = run(dataclasses.replace(j, env={"DIFFCHECK_UNUSED": "1"}))
 layouts.append(layout)
 same(other, ref)
-held = sessionmod.open_engine(j)
-try:
-    layout, other = run(j)  # while another engine's core runs in this process
-    layouts.append(layout)
-    same(other, ref)
-    same(held.generate(), ref)  # the held engine still works after the other one stopped
-finally:
-    held.close()
+j2 = dataclasses.replace(j, id="J2", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+with sessionmod.EngineSession() as pool:
+    for case, want in ((j, "in-process"), (j2, "vllm default")):
+        threads, cores = threading.active_count(), multiprocessing.active_children()
+        engine = pool.get(case, echo=lambda _: None)
+        layout = engine.info()["processes"]
+        assert layout == want, layout
+        layouts.append(layout)
+        same(engine.generate(), ref)  # the second while the first engine's core runs in this process
+    os.kill(next(p for p in multiprocessing.active_children() if p not in cores).pid, signal.SIGKILL)
+    engine.close()  # the pool closes it again (a no-op), then J
+    assert threading.active_count() == threads, threading.enumerate()
+    same(pool.get(j).generate(), ref)  # the held engine still works after the other one died
+assert threading.active_count() == 1, threading.enumerate()
+assert not multiprocessing.active_children(), multiprocessing.active_children()
 print(" ".join(l.replace(" ", "-") for l in layouts))
 """
 
@@ -86,7 +66,8 @@ def test_every_process_layout_gives_the_same_bits(smoke_suite_path):
     proc = subprocess.run([sys.executable, "-c", LAYOUTS, str(smoke_suite_path)], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-3:] == ["in-process", "workers-separate", "vllm-default"]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.split()[-4:] == ["in-process", "workers-separate", "in-process", "vllm-default"]
 
 
 def test_generate_captures_topk(reference_run, engine):
