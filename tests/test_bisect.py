@@ -250,6 +250,13 @@ def _sigint_ignored():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# Waits for what must happen (the step starts; after the signal, it is gone) are bounded only so that a
+# hang fails instead of hanging the suite: never a measure of speed. The step sleeps far longer, so it
+# cannot end by itself within such a wait.
+EVENTUALLY_S = 300
+STEP_SLEEP_S = 3600
+
+
 # "SIGINT-inherited-ignored": started as a shell without job control starts a background
 # command (a script's `cmd &`, a CI runner), SIGINT ignored; Python then installs no
 # KeyboardInterrupt handler of its own. `make test` run that way hung here before.
@@ -259,20 +266,20 @@ def _sigint_ignored():
 def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig, preexec):
     before = toy.state()
     started = tmp_path / "step-started"
-    slow = f"echo $$ > {started}; sleep 300"
+    slow = f"echo $$ > {started}; sleep {STEP_SLEEP_S}"  # far longer than any wait below: it never ends by itself
     cmd = [sys.executable, "-m", "diffcheck.cli", "bisect", "K", "--repo", str(toy.repo), "--good", toy.shas[0],
            "--bad", toy.shas[-1], "--suite", str(toy.suite), "--goldens", str(toy.goldens), "--step-cmd", slow]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=preexec)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + EVENTUALLY_S  # a hang guard, not a measure of speed
         while not (started.exists() and started.read_text().strip()):
             assert time.monotonic() < deadline and proc.poll() is None, "the step never started"
             time.sleep(0.1)
         assert git_bisect.bisect_in_progress(toy.repo)
         assert git(toy.repo, "rev-parse", "HEAD") != toy.shas[-1]  # mid-bisect, another commit checked out
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=EVENTUALLY_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -282,7 +289,10 @@ def test_an_interrupted_bisect_restores_the_repository(toy, tmp_path, sig, preex
     assert "interrupted; repository restored: main at " + toy.shas[-1][:10] in out
     assert toy.state() == before
     step_pid = int(started.read_text().strip())
-    assert _gone(step_pid), "the step (an engine, in real use) was left running"
+    gone = _gone(step_pid)
+    if not gone:
+        _kill_step_group(started)  # not to outlive the test
+    assert gone, "the step (an engine, in real use) was left running"
 
 
 def _kill_step_group(started: Path) -> None:
@@ -293,8 +303,9 @@ def _kill_step_group(started: Path) -> None:
         pass
 
 
-def _gone(pid: int, wait_s: float = 10.0) -> bool:
-    """True once `pid` no longer runs (absent, or a zombie waiting to be reaped)."""
+def _gone(pid: int, wait_s: float = EVENTUALLY_S) -> bool:
+    """True once `pid` no longer runs (absent, or a zombie waiting to be reaped); False if it still runs
+    after `wait_s` (a bound on a wait for what must happen, far below the step's own STEP_SLEEP_S)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
