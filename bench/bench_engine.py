@@ -148,8 +148,9 @@ def _generate_same_lengths(engine, reference) -> Timing:
     return Timing(timed.seconds, time.perf_counter() - t0, timed.n_tokens)
 
 
-def _verdict(case, engine, pool, reference, floor, out: Path) -> Timing:
-    """(c): one comparison of an identical candidate, from generation to stored runs and a verdict."""
+def verdict_timing(case, engine, pool, reference, floor, out: Path) -> tuple[Timing, str]:
+    """(c): one comparison of an identical candidate, from generation to stored runs and a verdict
+    (also `tools/gpu/speed.py`'s): its timing and the verdict's name."""
     from diffcheck.engines import session as sessionmod
     from diffcheck.judging import classify
     from diffcheck.storage import store
@@ -161,8 +162,7 @@ def _verdict(case, engine, pool, reference, floor, out: Path) -> Timing:
     store.write_run(out / "J.run.parquet", cand)
     store.write_run(out / "J.forced-J.parquet", forced["J"])
     wall = time.perf_counter() - t0
-    assert verdict.verdict.name == "IDENTICAL", verdict.verdict  # the candidate is the reference's own engine
-    return Timing(engine.timings["generate_s"], wall, cand.n_tokens)
+    return Timing(engine.timings["generate_s"], wall, cand.n_tokens), verdict.verdict.name
 
 
 def main(rounds: int = 3) -> dict:
@@ -199,7 +199,9 @@ def main(rounds: int = 3) -> dict:
             floor = build_floor(reference, {"replica": engine.force(reference)})
             verdicts, bare = [], []
             for r in range(rounds):
-                verdicts.append(_verdict(case, engine, pool, reference, floor, Path(tmp)))
+                timing, name = verdict_timing(case, engine, pool, reference, floor, Path(tmp))
+                assert name == "IDENTICAL", name  # the candidate is the reference's own engine
+                verdicts.append(timing)
                 bare.append(_generate_without_logprobs(engine)[0])
                 print(f"(c) round {r + 1}/{rounds}: verdict {verdicts[-1].wall_s:.2f} s, bare generate "
                       f"{bare[-1].wall_s:.2f} s", flush=True)

@@ -144,6 +144,7 @@ class VllmOffline(Engine):
                          private_log_dir(log_dir) / f"diffcheck-{case.suite}-{case.id}-{os.getpid()}.engine.log")
         self.on_phase = on_phase  # start-up phases read from the engine log (`vllm_progress.tail_phases`)
         self.llm = None
+        self.capture = "vllm"  # where top-k logprobs are captured, settled at start (`_capture_where`)
         self.timings: dict[str, float] = {}
         self._start()
 
@@ -172,9 +173,9 @@ class VllmOffline(Engine):
         elif self.mechanism == "trace_replay":
             kw["enable_trace_replay"] = True
             kw["logprobs_mode"] = "raw_logprobs"  # vLLM's default; stated, as for the processor
-        if self.taps:
-            from diffcheck.engines.taps import WORKER_EXTENSION
+        from diffcheck.engines.capture import WORKER_EXTENSION
 
+        if self.taps or "worker_extension_cls" not in kw:  # the taps and the device capture (capture.py)
             kw["worker_extension_cls"] = WORKER_EXTENSION
         layout_kw, layout_env, self.processes = process_layout(
             on_cpu=on_cpu, case_env=self.env, kw=kw, process_patched=process_patched(), core_here=bool(_CORES_HERE))
@@ -221,6 +222,7 @@ class VllmOffline(Engine):
             raise EngineError(f"engine failed to start for case '{self.case.id}': {failure}{where}")
         try:
             self.tokenizer = self.llm.get_tokenizer()
+            self.capture = self._capture_where(kw)
             self.timings["startup_s"] = time.perf_counter() - t0
             self._info = {
                 "name": self.name,
@@ -229,6 +231,7 @@ class VllmOffline(Engine):
                 "llm_kwargs": {k: v for k, v in self.llm_kwargs.items() if k != "model"},
                 "effective": effective_config(self.llm),
                 "forcing_mechanism": self.mechanism,
+                "logprob_capture": self.capture,
                 "processes": self.processes,
                 "trace_replay_available": self.trace_replay,
             }
@@ -281,6 +284,18 @@ class VllmOffline(Engine):
         self._require_open()
         return prompting.prompt_token_ids(self.tokenizer, self.prompts)
 
+    def _capture_where(self, kw) -> str:
+        """Where top-k logprobs are captured: ``device`` (`diffcheck.engines.capture`, on the V1 runner with
+        diffcheck's worker extension) or ``vllm`` (vLLM's own logprobs, anywhere else)."""
+        from diffcheck.engines.capture import WORKER_EXTENSION
+
+        if kw.get("speculative_config") or kw.get("worker_extension_cls") != WORKER_EXTENSION:
+            return "vllm"  # a speculative step is sampled elsewhere; a case's own extension replaces diffcheck's
+        if not self.worker_rpc("diffcheck_capture_arm", 1):
+            return "vllm"
+        self.worker_rpc("diffcheck_capture_collect")
+        return "device"
+
     def _sampling_params(self, **override):
         from vllm import SamplingParams
 
@@ -296,9 +311,32 @@ class VllmOffline(Engine):
         if kw["top_k"] is None:
             kw["top_k"] = -1 if "top_k" in s else None
         kw.update(override)
+        if self.capture == "device" and kw.get("logprobs") is not None:
+            kw["logprobs"] = None  # captured on the device instead (`_sampled`)
+            if not kw.get("stop"):
+                kw["detokenize"] = False
         if kw.get("logprobs") is not None or kw.get("prompt_logprobs") is not None:
             kw.update(_capture_settings(SamplingParams, stop=kw.get("stop")))
         return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+
+    def _sampled(self, inputs, params, k: int, what: str, **run):
+        """`_run_llm` with the top-`k` logprobs of every sampled token: (outputs, per-output dense arrays).
+
+        Captured on the device where the engine can (`diffcheck.engines.capture`; `params` then ask
+        vLLM for no logprobs, `_sampling_params`), else read from vLLM's outputs."""
+        if self.capture != "device":
+            outputs = self._run_llm(inputs, params, what, **run)
+            return outputs, [steps_from_logprobs(list(o.outputs[0].token_ids), o.outputs[0].logprobs, k)
+                             for o in outputs]
+        from diffcheck.engines.capture import steps_for
+
+        self.worker_rpc("diffcheck_capture_arm", k)
+        try:
+            outputs = self._run_llm(inputs, params, what, **run)
+        finally:
+            answer = self.worker_rpc("diffcheck_capture_collect")
+        return outputs, steps_for(answer, [i["prompt_token_ids"] for i in inputs],
+                                  [o.outputs[0].token_ids for o in outputs], k, case_id=self.case.id)
 
     def _text(self, params, completion) -> str:
         """The completion's text: vLLM's, or decoded here where vLLM was told not to detokenize."""
@@ -338,9 +376,14 @@ class VllmOffline(Engine):
             runs = [i for i, n in enumerate(max_tokens) if n]
             params = [self._sampling_params(max_tokens=int(max_tokens[i]), ignore_eos=True, min_tokens=0, stop=None,
                                             **override) for i in runs]
+        inputs = [{"prompt_token_ids": prompt_ids[i]} for i in runs]
         t0 = time.perf_counter()
-        outputs = self._run_llm([{"prompt_token_ids": prompt_ids[i]} for i in runs], params,
-                                "timed generation") if runs else []
+        if not runs:
+            outputs = []
+        elif logprobs:  # diffcheck's capture, whichever it is, collected and matched
+            outputs, _ = self._sampled(inputs, params, self.case.sampling.logprobs, "timed generation")
+        else:
+            outputs = self._run_llm(inputs, params, "timed generation")
         seconds = time.perf_counter() - t0
         by_index = {i: tuple(int(t) for t in out.outputs[0].token_ids) for i, out in zip(runs, outputs)}
         return TimedGeneration(seconds=seconds, token_ids=tuple(by_index.get(i, ()) for i in range(len(prompt_ids))))
@@ -359,20 +402,20 @@ class VllmOffline(Engine):
     def generate(self, *, progress=None) -> Run:
         prompt_ids = self.prompt_token_ids()
         params = self._sampling_params()
+        k = self.case.sampling.logprobs
         t0 = time.perf_counter()
-        outputs = self._run_llm([{"prompt_token_ids": ids} for ids in prompt_ids], params, "generation",
-                                progress=progress, work=[params.max_tokens] * len(prompt_ids))
+        outputs, steps = self._sampled([{"prompt_token_ids": ids} for ids in prompt_ids], params, k, "generation",
+                                       progress=progress, work=[params.max_tokens] * len(prompt_ids))
         elapsed = time.perf_counter() - t0
-        seqs, steps = [], []
+        seqs = []
         for prompt, ids, out in zip(self.prompts, prompt_ids, outputs):
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
-            steps.append(steps_from_logprobs(tokens, comp.logprobs, params.logprobs))
             seqs.append(SequenceInfo(prompt_id=prompt.id, prompt_token_ids=tuple(ids), text=self._text(params, comp),
                                      finish_reason=str(comp.finish_reason), n_tokens=len(tokens)))
         n = sum(s.n_tokens for s in seqs)
         self.timings.update(generate_s=elapsed, generate_tokens=n, tokens_per_s=n / elapsed if elapsed else 0.0)
-        return Run(meta=run_meta(self, "generate"), sequences=tuple(seqs), steps=concat(steps, params.logprobs))
+        return Run(meta=run_meta(self, "generate"), sequences=tuple(seqs), steps=concat(steps, k))
 
     # -- the primitives of forced replay and scoring (the bookkeeping is `Engine.force` / `Engine.score`) --
     def _check_forcing(self) -> None:
@@ -393,13 +436,13 @@ class VllmOffline(Engine):
             # ignore_eos: the forced path may contain EOS before its end; max_tokens caps it exactly.
             params.append(self._sampling_params(max_tokens=len(job.forced), ignore_eos=True, min_tokens=0, stop=None,
                                                 logprobs=k, **extra))
-        outputs = self._run_llm([{"prompt_token_ids": job.context} for job in jobs], params, "forced decode replay",
-                                progress=progress, work=[p.max_tokens for p in params])
+        outputs, steps = self._sampled([{"prompt_token_ids": job.context} for job in jobs], params, k,
+                                       "forced decode replay", progress=progress, work=[p.max_tokens for p in params])
         rows = []
-        for p, out in zip(params, outputs):
+        for p, out, dense in zip(params, outputs, steps):
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
-            rows.append(ForcedRows(steps=steps_from_logprobs(tokens, comp.logprobs, k), tokens=tokens,
+            rows.append(ForcedRows(steps=dense, tokens=tokens,
                                    text=self._text(p, comp), finish_reason=str(comp.finish_reason)))
         return rows
 

@@ -12,6 +12,8 @@ O3 at TP1 and TP3), one engine at a time:
   the machine hits all of them alike (side by side):
   - generation of the suite's prompts as diffcheck records it (``engine.generate()``:
     top-20 logprob capture, conversion into a run, the text), timed whole: tokens/s;
+    where the engine captures on the device (`diffcheck.engines.capture`), the same
+    through vLLM's own logprobs path too (``logprobs20_vllm``), for the comparison;
   - the same prompts through ``LLM.generate`` as vLLM runs them by default (no
     logprobs, vLLM's own detokenizer); their difference is the **capture overhead**
     row (seconds per 1024 tokens, and its share of the time);
@@ -19,7 +21,11 @@ O3 at TP1 and TP3), one engine at a time:
   - forced decode replay along it, **partial** (`diffcheck.engines.replay`:
     nothing for a sequence whose tokens equal J's, the rest from t*, prompt + shared
     prefix prefilled; with prefix caching on, mostly a cache hit): the steps the
-    engine produced, their tokens/s, and the forced path's tokens/s.
+    engine produced, their tokens/s, and the forced path's tokens/s;
+  - time to verdict of an identical candidate (``time_to_verdict``; bench/bench_engine.py's
+    path: generate, partial replay along the engine's own warm-up run as golden, judging
+    against a floor of one forced replica, the runs written), against a bare generate
+    without logprobs timed right after it.
 
 Best of the rounds is used. tokens/s counts generated tokens over the wall time of
 ``LLM.generate`` for the whole batch (4 prompts, <= 256 tokens each), prefill included;
@@ -34,8 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_engine import verdict_timing  # noqa: E402  (the CPU bench's time-to-verdict path)
 
 GRAPH_CAPTURE = re.compile(r"Graph capturing finished in ([0-9.]+) secs")
 
@@ -64,16 +76,33 @@ def measure(case, golden, *, repeats: int) -> dict:
         row = {"case": case.id, "description": case.description, "startup_s": engine.timings["startup_s"],
                "graph_capture_s": graph_capture_seconds(getattr(engine, "log_path", None)),
                "effective": engine.info().get("effective", {}), "forcing_mechanism": engine.mechanism}
+        row["logprob_capture"] = engine.capture
         own = engine.generate()  # warm-up, and the run the partial replay plans against
         full = replay.plan(golden, own, "full")
         partial = replay.plan(golden, own, "partial")
-        times: dict[str, list[float]] = {k: [] for k in ("logprobs20", "no_logprobs", "forced", "forced_partial")}
+        sides = ("logprobs20", "logprobs20_vllm", "no_logprobs", "forced", "forced_partial", "verdict", "bare")
+        times: dict[str, list[float]] = {k: [] for k in sides}
         tokens: dict[str, int] = {}
+        from diffcheck.judging.floor import build_floor
+
+        pool = sessionmod.EngineSession()
+        pool.engines["config:" + sessionmod.config_key(case)] = engine  # the open engine, as compare keeps it
+        floor = build_floor(own, {"replica": engine.force(own)})
+        verdicts, same = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             recorded = engine.generate()
             times["logprobs20"].append(time.perf_counter() - t0)
             tokens["logprobs20"] = recorded.n_tokens
+            if engine.capture == "device":
+                engine.capture = "vllm"
+                try:
+                    t0 = time.perf_counter()
+                    through_vllm = engine.generate()
+                    times["logprobs20_vllm"].append(time.perf_counter() - t0)
+                    same.append(_same_steps(recorded, through_vllm))
+                finally:
+                    engine.capture = "device"
             plain = engine.time_generate(logprobs=False)
             times["no_logprobs"].append(plain.seconds)
             tokens["no_logprobs"] = plain.n_tokens
@@ -84,11 +113,24 @@ def measure(case, golden, *, repeats: int) -> dict:
                 times["forced_partial"].append(engine.timings["force_s"])
             else:
                 times["forced_partial"].append(0.0)
+            with tempfile.TemporaryDirectory() as tmp:
+                timing, name = verdict_timing(case, engine, pool, own, floor, Path(tmp))
+            times["verdict"].append(timing.wall_s)
+            verdicts.append(name)
+            t0 = time.perf_counter()
+            engine.time_generate(logprobs=False)
+            times["bare"].append(time.perf_counter() - t0)
     row["logprobs20"] = _entry(tokens["logprobs20"], times["logprobs20"])
     row["no_logprobs"] = _entry(tokens["no_logprobs"], times["no_logprobs"])
     lp, nolp = min(times["logprobs20"]), min(times["no_logprobs"])
     row["capture_overhead"] = {"seconds": lp - nolp, "per_1024_tokens_s": (lp - nolp) * 1024 / tokens["logprobs20"],
                                "fraction_of_time": (lp - nolp) / lp if lp else None}
+    if times["logprobs20_vllm"]:
+        row["logprobs20_vllm"] = _entry(tokens["logprobs20"], times["logprobs20_vllm"], same_steps_as_device=same)
+        vl = min(times["logprobs20_vllm"])
+        row["capture_overhead_vllm"] = {"seconds": vl - nolp, "fraction_of_time": (vl - nolp) / vl if vl else None}
+    row["time_to_verdict"] = {"verdict_s": times["verdict"], "bare_generate_s": times["bare"], "verdicts": verdicts,
+                              "ratio_of_medians": statistics.median(times["verdict"]) / statistics.median(times["bare"])}
     row["forced"] = _entry(full.replay_steps, times["forced"], replay="full")
     best_partial = min(times["forced_partial"])
     row["forced_partial"] = _entry(partial.replay_steps, times["forced_partial"], replay="partial",
@@ -97,6 +139,14 @@ def measure(case, golden, *, repeats: int) -> dict:
                                    replayed=list(partial.replayed), reused=list(partial.reused),
                                    starts=list(partial.starts))
     return row
+
+
+def _same_steps(a, b) -> bool:
+    """Whether two runs hold the same tokens and logprobs, bit for bit."""
+    import numpy as np
+
+    return all(np.array_equal(getattr(a.steps, f), getattr(b.steps, f), equal_nan=True)
+               for f in ("seq", "step", "token_id", "logprob", "topk_ids", "topk_logprobs"))
 
 
 def _f(value, fmt="{:.0f}") -> str:
@@ -124,16 +174,19 @@ def main() -> int:
     rows = []
     for cid in args.cases.split(","):
         rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats))
-        print(json.dumps({k: rows[-1][k] for k in ("case", "startup_s", "graph_capture_s", "logprobs20", "no_logprobs",
-                                                   "capture_overhead", "forced", "forced_partial")}), flush=True)
+        print(json.dumps({k: rows[-1].get(k) for k in ("case", "startup_s", "graph_capture_s", "logprob_capture",
+                                                       "logprobs20", "logprobs20_vllm", "no_logprobs", "capture_overhead",
+                                                       "capture_overhead_vllm", "time_to_verdict", "forced",
+                                                       "forced_partial")}), flush=True)
         # written after every engine, so a call stopped at its time limit keeps what was measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"suite": suite.name, "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
 
     base = rows[0]["logprobs20"]["tokens_per_s"]
     print("| case | engine | start-up s | graph capture s | tokens/s (top-20 logprobs) | vs first row "
-          "| tokens/s (no logprobs) | capture overhead | forced full tokens/s | replay / generate time |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| tokens/s (no logprobs) | capture overhead | forced full tokens/s | replay / generate time "
+          "| capture | tokens/s, vLLM's logprobs path | time to verdict / bare generate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         eff = r["effective"]
         engine = f"{eff.get('attention_backend')}, cudagraph {eff.get('cudagraph_mode')}, compile {eff.get('compile_mode')}"
@@ -141,7 +194,9 @@ def main() -> int:
         cap = r["capture_overhead"]
         print(f"| {r['case']} | {engine} | {r['startup_s']:.1f} | {_f(r['graph_capture_s'], '{:.1f}')} | {lp:.0f} "
               f"| {lp / base:.2f}x | {nolp:.0f} | {cap['per_1024_tokens_s']:+.2f} s per 1024 tokens "
-              f"({_f(cap['fraction_of_time'], '{:+.0%}')}) | {forced:.0f} | {lp / forced:.2f}x |")
+              f"({_f(cap['fraction_of_time'], '{:+.0%}')}) | {forced:.0f} | {lp / forced:.2f}x "
+              f"| {r['logprob_capture']} | {_f(r.get('logprobs20_vllm', {}).get('tokens_per_s'))} "
+              f"| {r['time_to_verdict']['ratio_of_medians']:.2f}x |")
     print()
     print("| case | forced full: steps, s, tokens/s | forced partial: steps replayed (sequences), s, tokens/s "
           "| forced path tokens/s, full / partial | partial speed-up |")
