@@ -17,6 +17,7 @@ progress.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -333,8 +334,11 @@ class VllmOffline(Engine):
         self.worker_rpc("diffcheck_capture_arm", k)
         try:
             outputs = self._run_llm(inputs, params, what, **run)
-        finally:
-            answer = self.worker_rpc("diffcheck_capture_collect")
+        except BaseException:  # Ctrl-C or a crash: that is what is reported, not the disarm after it
+            with contextlib.suppress(Exception):
+                self.worker_rpc("diffcheck_capture_collect")
+            raise
+        answer = self.worker_rpc("diffcheck_capture_collect")
         return outputs, steps_for(answer, [i["prompt_token_ids"] for i in inputs],
                                   [o.outputs[0].token_ids for o in outputs], k, case_id=self.case.id)
 
