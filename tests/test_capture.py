@@ -87,3 +87,34 @@ def test_the_device_capture_gives_vllms_own_logprobs_bit_for_bit(engine):
         assert x.tokens == y.tokens
         for key in ("token_id", "logprob", "topk_ids", "topk_logprobs"):
             assert np.array_equal(x.steps[key], y.steps[key], equal_nan=True), key
+
+
+def test_chunked_reduction_gives_the_per_step_numbers_across_flushes_and_a_failed_step():
+    """The buffered logits are reduced in chunks (a budget of 3 rows here, so batches of 2 flush every
+    other step, and a batch of 5 outgrows the buffer): each row's numbers equal log_softmax, topk and
+    gather run on that step alone; a step whose sampler raised (its rows given back) leaves no row."""
+    import torch
+
+    from diffcheck.engines.capture import _Chunks
+
+    gen = torch.Generator().manual_seed(7)
+    vocab, k = 50, 4
+    chunks = _Chunks(k, budget=3 * vocab * 4)
+    expected = []
+    for step, n in enumerate([2, 2, 1, 5, 2, 3]):
+        logits = torch.randn(n, vocab, generator=gen)
+        chunks.keep(logits)
+        if step == 4:
+            chunks.drop(n)  # the sampler raised
+            continue
+        tokens = torch.randint(0, vocab, (n, 1), generator=gen)
+        chunks.sampled([f"r{step}.{i}" for i in range(n)], tokens)
+        lp = logits.log_softmax(-1, dtype=torch.float32)
+        values, ids = torch.topk(lp, k, dim=-1)
+        expected.append((tokens, lp.gather(-1, tokens), values, ids))
+        logits.fill_(0.0)  # the sampler may change its logits in place after the copy
+    chunks.flush()
+    got = [torch.cat([d[i] for d in chunks.done]) for i in range(4)]
+    for i in range(4):
+        assert torch.equal(got[i], torch.cat([e[i] for e in expected]))
+    assert len(chunks.done) > 2 and len(chunks.req_rows) == got[0].shape[0] == 13

@@ -123,8 +123,10 @@ class Descendants:
 
     def servers(self) -> list[int]:
         """The vllm serve processes (not diffcheck's supervisor, which carries the same arguments)."""
-        return [pid for pid, i in self.seen.items() if any("--served-model-name" in c for c in i["cmdline"])
-                and not any("diffcheck.engines.vllm_serve" in c for c in i["cmdline"])]
+        found = [pid for pid, i in self.seen.items() if any("--served-model-name" in c for c in i["cmdline"])
+                 and not any("diffcheck.engines.vllm_serve" in c for c in i["cmdline"])]
+        # A forked child of the server (its engine core, when vLLM forks) carries the same command line.
+        return [pid for pid in found if self.seen[pid]["ppid"] not in found]
 
     def engine_cores(self) -> list[int]:
         """The processes a vllm serve process started (its engine core): the whole server tree exists."""

@@ -8,11 +8,12 @@ same numbers without it:
 
 - `CaptureWorker`, a vLLM *worker extension* mixed into the worker class (with the
   per-layer taps, `DiffcheckWorker`): ``diffcheck_capture_arm(k)`` wraps the V1 model
-  runner's ``_sample``. Per step the wrapper runs the ops vLLM's sampler runs for
-  ``logprobs_mode = "raw_logprobs"`` on the logits it is handed, before any logits
-  processor touches them (``log_softmax(dtype=float32)``, ``topk``, a ``gather`` of the
-  sampled token), and keeps the resulting device tensors; nothing is copied to the host
-  and no Python object is built per request. ``diffcheck_capture_collect()`` unwraps,
+  runner's ``_sample``. Per step the wrapper copies the logits it is handed, before any
+  logits processor touches them, into a persistent device buffer (one launch); once the
+  buffer is full, and at the end, it runs the ops vLLM's sampler runs for
+  ``logprobs_mode = "raw_logprobs"`` (``log_softmax(dtype=float32)``, ``topk``, a
+  ``gather`` of the sampled token) over every buffered row at once (`_Chunks`). Nothing is
+  copied to the host and no Python object is built per request. ``diffcheck_capture_collect()`` unwraps,
   concatenates every step and copies each array to the host once.
 - `steps_for` (this process): matches what came back to vLLM's outputs (by prompt and
   sampled tokens: the engine's request ids are not the caller's) and returns per-output
@@ -32,40 +33,40 @@ from diffcheck.core.errors import EngineError
 from diffcheck.engines.taps import TapWorker, prompt_key
 
 WORKER_EXTENSION = "diffcheck.engines.capture.DiffcheckWorker"
+CHUNK_BYTES = 64 << 20  # logits buffered on the device between reductions
 
 
 class CaptureWorker:
     """Mixed into vLLM's worker class (worker_extension_cls); runs in the process that runs the model."""
 
-    def diffcheck_capture_arm(self, k: int) -> bool:
+    def diffcheck_capture_arm(self, k: int, budget_bytes: int = CHUNK_BYTES) -> bool:
         """Capture the top `k` logprobs and the sampled token's logprob of every sampled row from now
         on. False where this runner has no V1 ``_sample`` to wrap (the caller then uses vLLM's path)."""
-        import torch
-
         self.diffcheck_capture_collect()  # a stale arm from an interrupted run: drop it
         runner = self.model_runner
         original = getattr(type(runner), "_sample", None)
         if original is None:
             return False
-        k = int(k)
-        state = {"k": k, "steps": [], "prompts": {}, "unsampled": 0}
+        state = _Chunks(int(k), int(budget_bytes))
 
         def sample(logits, spec_decode_metadata=None, *args, **kwargs):
             if logits is None or spec_decode_metadata is not None:  # nothing sampled here, or speculative
-                state["unsampled"] += 1
+                state.unsampled += 1
                 return original(runner, logits, spec_decode_metadata, *args, **kwargs)
             req_ids = runner.input_batch.req_ids[: logits.shape[0]]  # a copy: vLLM reorders its list in place
-            prompts = state["prompts"]
+            prompts = state.prompts
             for rid in req_ids:
                 if rid not in prompts:
                     req = runner.requests.get(rid)
                     ids = getattr(req, "prompt_token_ids", None)
                     prompts[rid] = prompt_key(ids) if ids is not None else ""
-            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # Sampler.compute_logprobs
-            values, ids = torch.topk(logprobs, k, dim=-1)  # Sampler.gather_logprobs
-            out = original(runner, logits, spec_decode_metadata, *args, **kwargs)
-            sampled = out.sampled_token_ids[:, :1]
-            state["steps"].append((req_ids, sampled, logprobs.gather(-1, sampled.long()), values, ids))
+            state.keep(logits)  # before the sampler: its logits processors may change them in place
+            try:
+                out = original(runner, logits, spec_decode_metadata, *args, **kwargs)
+            except BaseException:
+                state.drop(logits.shape[0])
+                raise
+            state.sampled(req_ids, out.sampled_token_ids[:, :1])
             return out
 
         runner._sample = sample  # an instance attribute: collect deletes it, the class's method returns
@@ -79,29 +80,80 @@ class CaptureWorker:
         if state is None:
             return None
         self.model_runner.__dict__.pop("_sample", None)
-        steps = state["steps"]
-        answer = {"k": state["k"], "unsampled": state["unsampled"], "requests": []}
-        if not steps:
+        state.flush()
+        answer = {"k": state.k, "unsampled": state.unsampled, "requests": []}
+        if not state.done:
             return answer
         import torch
 
         # One host copy per array for the whole run. Plain lists: vLLM's RPC answer carries no typed arrays.
-        tokens = torch.cat([s[1] for s in steps])[:, 0].tolist()
-        own = torch.cat([s[2] for s in steps])[:, 0].tolist()
-        values = torch.cat([s[3] for s in steps]).tolist()
-        ids = torch.cat([s[4] for s in steps]).tolist()
+        tokens = torch.cat([d[0] for d in state.done])[:, 0].tolist()
+        own = torch.cat([d[1] for d in state.done])[:, 0].tolist()
+        values = torch.cat([d[2] for d in state.done]).tolist()
+        ids = torch.cat([d[3] for d in state.done]).tolist()
         rows: dict[str, list[int]] = {}
-        row = 0
-        for req_ids, *_ in steps:
-            for rid in req_ids:
-                rows.setdefault(rid, []).append(row)
-                row += 1
+        for row, rid in enumerate(state.req_rows):
+            rows.setdefault(rid, []).append(row)
         for rid, picked in rows.items():
             answer["requests"].append({
-                "prompt": state["prompts"].get(rid, ""), "tokens": [tokens[r] for r in picked],
+                "prompt": state.prompts.get(rid, ""), "tokens": [tokens[r] for r in picked],
                 "logprob": [own[r] for r in picked], "topk_ids": [ids[r] for r in picked],
                 "topk_logprobs": [values[r] for r in picked]})
         return answer
+
+
+class _Chunks:
+    """A run's captured steps, on the device. Per step only the logits are copied, into one persistent
+    buffer (one launch after the sampler's input is ready); every `budget` bytes of logits, and at the end,
+    one log-softmax, top-k and gather over all the buffered rows at once. The per-row numbers are those of
+    the per-step ops (each row is reduced alone), with a handful of launches per chunk instead of per step:
+    on a small model under a FULL CUDA graph those host-side launches were the capture's cost."""
+
+    def __init__(self, k: int, budget: int):
+        self.k, self.budget = k, budget
+        self.prompts: dict[str, str] = {}
+        self.unsampled = 0
+        self.buffer = None
+        self.used = 0
+        self.tokens: list = []  # the sampled ids of the buffered steps (device tensors, [rows, 1])
+        self.req_rows: list[str] = []  # the engine request of every captured row, in row order
+        self.done: list[tuple] = []  # (sampled, own logprob, top-k values, top-k ids) per flushed chunk
+
+    def keep(self, logits) -> None:
+        import torch
+
+        n, vocab = logits.shape
+        if self.buffer is None or self.buffer.dtype != logits.dtype or self.buffer.shape[1] != vocab:
+            self.flush()
+            rows = max(n, self.budget // max(1, vocab * logits.element_size()))
+            self.buffer = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+        elif self.used + n > self.buffer.shape[0]:
+            self.flush()
+        if n > self.buffer.shape[0]:
+            self.buffer = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
+        self.buffer[self.used:self.used + n].copy_(logits)
+        self.used += n
+
+    def drop(self, n: int) -> None:
+        """The last `n` kept rows got no tokens (the sampler raised)."""
+        self.used -= n
+
+    def sampled(self, req_ids: list[str], tokens) -> None:
+        self.tokens.append(tokens)
+        self.req_rows.extend(req_ids)
+
+    def flush(self) -> None:
+        used, self.used = self.used, 0
+        if not self.tokens:
+            return
+        import torch
+
+        sampled = torch.cat(self.tokens)
+        self.tokens = []
+        logits = self.buffer[:used]
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # Sampler.compute_logprobs
+        values, ids = torch.topk(logprobs, self.k, dim=-1)  # Sampler.gather_logprobs
+        self.done.append((sampled, logprobs.gather(-1, sampled.long()), values, ids))
 
 
 class DiffcheckWorker(TapWorker, CaptureWorker):
