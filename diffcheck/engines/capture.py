@@ -123,14 +123,13 @@ class _Chunks:
         import torch
 
         n, vocab = logits.shape
-        if self.buffer is None or self.buffer.dtype != logits.dtype or self.buffer.shape[1] != vocab:
+        fits = (self.buffer is not None and self.buffer.dtype == logits.dtype and self.buffer.shape[1] == vocab
+                and n <= self.buffer.shape[0])
+        if not fits or self.used + n > self.buffer.shape[0]:
             self.flush()
-            rows = max(n, self.budget // max(1, vocab * logits.element_size()))
+        if not fits:
+            rows = max(n, self.budget // (vocab * logits.element_size()))
             self.buffer = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
-        elif self.used + n > self.buffer.shape[0]:
-            self.flush()
-        if n > self.buffer.shape[0]:
-            self.buffer = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         self.buffer[self.used:self.used + n].copy_(logits)
         self.used += n
 
