@@ -33,6 +33,7 @@ MATRIX_CASES = {
           "env": {"DIFFCHECK_FAULT": "stale-decode-metadata", "DIFFCHECK_FAULT_STEP": "8"}},
 }
 pytestmark = pytest.mark.engine
+EVENTUALLY_S = 300  # how long processes may take to go after Ctrl-C before the test calls them left over
 
 
 def _cli(*args: str) -> list[str]:
@@ -94,7 +95,7 @@ def sequential_matrix(tmp_path_factory):
     except subprocess.TimeoutExpired:
         rc_first = None  # hung after Ctrl-C: the test fails on it
     reader.join(timeout=10)
-    deadline = time.monotonic() + 30  # vLLM's engine process shuts down after its client
+    deadline = time.monotonic() + EVENTUALLY_S  # a hang guard: vLLM's engine process shuts down after its client
     while _group_survivors(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     survivors = _group_survivors(proc.pid)
