@@ -184,10 +184,10 @@ class Display(Reporter):
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, ValueError):  # a closed stream (ValueError) or a broken pipe
             self.stream.flush()
         if self._own_stream:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError, ValueError):
                 self.stream.close()
 
     def __enter__(self) -> "Display":

@@ -27,7 +27,7 @@ from typing import Callable
 
 from diffcheck import cases as casesmod
 from diffcheck.core import progress
-from diffcheck.core.errors import DataError
+from diffcheck.core.errors import DataError, DiffcheckError
 from diffcheck.core import types as policy
 from diffcheck.workflows import compare as comparemod
 from diffcheck.storage import store
@@ -128,7 +128,7 @@ def suite_arg(suite) -> str:
     try:
         if Path(casesmod.load_suite(suite.name).path).resolve() == Path(suite.path).resolve():
             return suite.name
-    except Exception:  # no suite of that name, or a broken one: the path says it
+    except DiffcheckError:  # no suite of that name, or a broken one (ConfigError): the path says it
         pass
     return casesmod.display_path(suite.path)
 
