@@ -315,3 +315,42 @@ def load_floor(root: Path, suite: str, reference_id: str, golden: Run, *,
         replicas[name] = run
     floor = build_floor(golden, replicas)
     return dataclasses.replace(floor, notes=tuple(notes)), notes
+
+
+# -- localize's captures ------------------------------------------------------------------------
+
+
+def capture_path(root: Path, suite: str, case_id: str, reference_id: str) -> Path:
+    """``<case>.taps-<ref>.npz``: the per-layer capture of `case_id` forced along golden `reference_id`
+    (`case_id` may be a floor variant's, ``<ref>.floor-<name>``)."""
+    base = store.run_path(root, suite, reference_id)  # validates the names
+    return base.with_name(f"{case_id}.taps-{reference_id}.npz")
+
+
+def load_capture(path: Path, key: dict, steps: tuple[int, ...]):
+    """The stored capture at `path` when it was made with this `key` (configuration and golden digests)
+    and holds every one of `steps`, cut to them; else None (missing, stale or unreadable)."""
+    from diffcheck.judging.localize import Capture
+
+    if not path.exists():
+        return None
+    try:
+        arrays, meta = store.read_arrays(path)
+    except DataError:
+        return None
+    stored = tuple(int(t) for t in meta.get("steps", ()))
+    if meta.get("key") != key or not set(steps) <= set(stored):
+        return None
+    pick = [stored.index(t) for t in steps]
+    return Capture(case_id=str(meta["case_id"]), n_layers=int(meta["n_layers"]), steps=tuple(steps),
+                   norm=arrays["norm"][:, pick], proj=arrays["proj"][:, pick],
+                   graph_steps=tuple(t for t in meta.get("graph_steps", ()) if t in steps))
+
+
+def store_capture(path: Path, capture, key: dict, *, engine: dict | None = None) -> Path:
+    """Write `capture` (a `judging.localize.Capture`) with the key it was made under."""
+    meta = {"kind": "taps", "case_id": capture.case_id, "n_layers": capture.n_layers,
+            "steps": list(capture.steps), "graph_steps": list(capture.graph_steps), "key": key,
+            "engine": engine or {}}
+    store.write_arrays(path, {"norm": capture.norm, "proj": capture.proj}, meta)
+    return path

@@ -183,6 +183,10 @@ class VllmOffline(Engine):
         kw.update(layout_kw)
         self.llm_kwargs = {k: v for k, v in kw.items() if k != "logits_processors"}
         self.llm_env = {**env, **layout_env, **self.env}
+        if self.taps and not on_cpu:  # hooks in place before vLLM captures its CUDA graphs (engines/taps.py)
+            from diffcheck.engines.taps import plugin_env
+
+            self.llm_env = plugin_env(self.llm_env)
         from vllm.plugins import load_general_plugins
 
         if self.processes != "vllm default":

@@ -74,6 +74,7 @@ class Capture:
     steps: tuple[int, ...]
     norm: np.ndarray
     proj: np.ndarray
+    graph_steps: tuple[int, ...] = ()  # steps read back from CUDA-graph replays (in-graph taps); the rest ran eager
 
     @property
     def sites(self) -> list[tuple[int | None, str]]:
@@ -213,6 +214,12 @@ def localize(reference: Capture, candidate: Capture, floors: np.ndarray, *, fact
     if factor * largest <= minimum:
         notes.append(f"every site's floor is {'exactly 0' if largest == 0 else f'at most {largest:.2g}'} "
                      f"({len(floor_replicas)} replica(s)): the margins are the minimum relative error {minimum:g}")
+    for side in (candidate, reference):
+        if side.graph_steps:
+            eager = [t for t in steps if t not in side.graph_steps]
+            notes.append(f"{side.case_id}: step(s) {', '.join(map(str, side.graph_steps))} read back from CUDA-graph "
+                         "replays (taps recorded in the graph)"
+                         + (f"; step(s) {', '.join(map(str, eager))} ran eager" if eager else ""))
     if first is not None and first.step == steps[0]:
         notes.append(f"already beyond at the first captured step {steps[0]}: the departure may be earlier "
                      "(a larger --around or an earlier --step shows it)")

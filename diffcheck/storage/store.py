@@ -9,6 +9,7 @@ rendering. One Parquet file per (suite, case, kind)::
     <root>/<suite>/<case>.run.parquet           a candidate's recorded run (pytest-regressions' .obtained)
     <root>/<suite>/<case>.forced-<ref>.parquet  candidate teacher-forced along golden <ref>
     <root>/<suite>/<case>.scored-<ref>.parquet  candidate run scored by reference engine <ref>
+    <root>/<suite>/<case>.taps-<ref>.npz        localize's per-layer capture along golden <ref> (write_arrays)
     <root>/<suite>/MANIFEST.json                {filename: entry}, entry keys below
 
 A file is plain Parquet (one row per generated token, logprobs as integer
@@ -103,6 +104,9 @@ def _rerecord_hint(path: Path) -> str:
     suite = path.parent.name
     flag = "" if suite == "default" else f" --suite {suite}"
     name = path.name[: -len(".parquet")] if path.name.endswith(".parquet") else path.name
+    m = re.match(r"(.+)\.taps-[^/]+\.npz\Z", name)
+    if m:
+        return f"delete it; `diffcheck localize{flag}` captures it again"
     m = re.match(r"(.+)\.(forced|scored)-[^/]+\Z", name)
     if m:
         return f"re-create it with `diffcheck compare {m.group(1)}{flag}`"
@@ -283,6 +287,12 @@ def write_run(path: str | Path, run: Run) -> str:
         "role": run.meta.role, "n_tokens": run.n_tokens,
         "created": run.meta.created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    _write_entry(path, data, entry)
+    return digest
+
+
+def _write_entry(path: Path, data: bytes, entry: dict) -> None:
+    """`data` to `path` atomically, two-phase in the folder's manifest (pending, then committed)."""
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     with _flock(folder / f"{path.name}.lock", blocking=False, target=path):
@@ -297,7 +307,39 @@ def write_run(path: str | Path, run: Run) -> str:
         _update_manifest(folder, begin)
         _atomic_write(path, data)
         _update_manifest(folder, commit)
-    return digest
+
+
+def write_arrays(path: str | Path, arrays: dict, meta: dict) -> str:
+    """Named numpy arrays and a JSON-able `meta` as one ``.npz`` file, written and recorded in the
+    folder's manifest like a run; returns the file's blake3."""
+    import numpy as np
+
+    path = Path(path)
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()},
+             __meta__=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8))
+    data = buf.getvalue()
+    digest = _manifest.digest_bytes(data)
+    entry = {**digest.entry(_manifest.STORE_KEYS), "kind": str(meta.get("kind", "arrays")),
+             "case_id": str(meta.get("case_id", "")),
+             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    _write_entry(path, data, entry)
+    return digest.blake3
+
+
+def read_arrays(path: str | Path) -> tuple[dict, dict]:
+    """(arrays, meta) of a file `write_arrays` wrote, verified against the manifest."""
+    import numpy as np
+
+    path = Path(path)
+    data = _read_verified(path, verify=True)
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(bytes(z["__meta__"]).decode())
+    except (ValueError, KeyError, OSError) as exc:
+        raise DataError(f"{path}: not an arrays file diffcheck wrote ({exc})") from None
+    return arrays, meta
 
 
 def _read_verified(path: Path, *, verify: bool) -> bytes:
@@ -356,12 +398,16 @@ def verify_folder(folder: str | Path) -> list[VerifyResult]:
         manifest = _load_manifest(folder)
     except DataError as exc:
         return [VerifyResult(folder / MANIFEST, False, exc.message)]
-    files = sorted(p for p in folder.glob("*.parquet") if p.is_file())
+    files = sorted(p for p in [*folder.glob("*.parquet"), *folder.glob("*.npz")] if p.is_file())
     results = []
     if manifest is None:
         return [VerifyResult(p, False, f"{p}: no {MANIFEST} in {folder}; cannot check its blake3") for p in files]
     for p in files:
         try:
+            if p.suffix == ".npz":  # an arrays file (localize's captures): its digest and that it reads
+                read_arrays(p)
+                results.append(VerifyResult(p, True, ""))
+                continue
             run = _decode(p, _read_verified(p, verify=True))
             entry = manifest_entry(p) or {}
             got = content_digest(run)

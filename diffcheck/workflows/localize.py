@@ -13,8 +13,11 @@ What runs (docs/localize.md):
 3. `diffcheck.judging.localize`: per-site floors from the replicas, the first site beyond in
    model order, inherited or not, the five worst others.
 
-Writes nothing: captures are kept in memory (`captures`, a dict the caller may share across
-calls so a reference and its floor are captured once per process).
+Each capture is stored beside the goldens (`workspace.capture_path`: ``<case>.taps-<ref>.npz``, in the
+manifest) with the configuration and golden digests it was made under; a later localize with the same
+key reuses it instead of starting that engine, so a reference and its floor are captured once, and a
+capture recorded on a GPU is re-judged anywhere. `captures` (a dict the caller may share) also keeps
+them in memory across calls.
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ def _variant(case, name: str, engine: dict):
                                engine=dataclasses.replace(case.engine, **engine))
 
 
+def tappable(case):
+    """`case` as the taps can run it, and a note on what changed (None: nothing). A torch.compile'd
+    decoder is traced without Python hooks, so a case that would compile runs with ``compile_mode = 0``;
+    its CUDA-graph mode stays as the case sets it, and the graphs record the taps (engines/taps.py)."""
+    engine = case.engine
+    if engine.enforce_eager or engine.compile_mode == 0:
+        return case, None
+    graphs = engine.cudagraph_mode or "vLLM's default"
+    note = (f"{case.id}: captured with torch.compile off (compile_mode 0; the taps cannot run inside a compiled "
+            f"decoder), CUDA-graph mode {graphs} kept: a fault that needs torch.compile to show is not seen here")
+    return dataclasses.replace(case, engine=dataclasses.replace(engine, compile_mode=0)), note
+
+
 def localize(case, *, suite, root: Path, reference: str | None = None, step: int | None = None,
              around: int = AROUND, perturbations=None, session: sessionmod.EngineSession | None = None,
              captures: dict | None = None, verbose: bool = False, echo: Echo = print) -> LocalizeReport:
@@ -99,20 +115,32 @@ def localize(case, *, suite, root: Path, reference: str | None = None, step: int
     captures = {} if captures is None else captures
     digest = store.content_digest(golden)
     timings: dict[str, float] = {}
+    notes: list[str] = []
 
     with contextlib.ExitStack() as stack:
         if session is None:
             session = stack.enter_context(sessionmod.EngineSession(verbose=verbose, taps=True))
 
         def capture(which) -> L.Capture:
+            which, note = tappable(which)
+            if note and note not in notes:
+                notes.append(note)
             key = (which.id, casesmod.config_digest(which), digest, steps)
             if key not in captures:
+                path = workspace.capture_path(root, suite.name, which.id, ref_id)
+                stored_key = {"config": key[1], "golden": digest}
+                captures[key] = workspace.load_capture(path, stored_key, steps)
+                if captures[key] is not None:
+                    echo(f"{which.id}: stored capture {path.name}")
+                    timings[which.id] = 0.0
+                    return captures[key]
                 engine = session.get(which, echo)
                 echo(f"{which.id}: capturing steps {steps[0]}..{steps[-1]} along golden {ref_id}")
                 t0 = time.perf_counter()
                 captures[key] = taps.capture(engine, golden, steps,
                                              progress=progress.task(f"{which.id}: forced replay with taps"))
                 timings[which.id] = time.perf_counter() - t0
+                workspace.store_capture(path, captures[key], stored_key, engine=dataclasses.asdict(which.engine))
             return captures[key]
 
         progress.stage(f"{case.id}: reference {ref_id}")
@@ -125,4 +153,5 @@ def localize(case, *, suite, root: Path, reference: str | None = None, step: int
         cand = capture(case)
     floors = L.site_floors(ref, replicas)
     result = L.localize(ref, cand, floors, floor_replicas=tuple(p.name for p in perturbations))
+    result = dataclasses.replace(result, notes=tuple(notes) + result.notes)
     return LocalizeReport(localization=result, step=t, around=around, onset_source=source, timings=timings)

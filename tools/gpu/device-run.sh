@@ -10,6 +10,8 @@
 #                                                   diffcheck compare CASE --json --html, each
 #   bash tools/gpu/device-run.sh kernels [ARGS]     diffcheck kernels --device cuda for vLLM's own decode
 #                                                   attention, stored in goldens/kernels/vllm-0.26/
+#   bash tools/gpu/device-run.sh localize [--step T --around K] CASE...
+#                                                   diffcheck localize CASE --json --html, each (captures stored as *.npz)
 #   bash tools/gpu/device-run.sh speed [ARGS]       tools/gpu/speed.py (the speed table; full vs partial replay)
 #   bash tools/gpu/device-run.sh profile [ARGS]     tools/gpu/profile_capture.py (vLLM's torch profiler, with and
 #                                                   without logprobs; goldens/$SUITE/profile-capture/)
@@ -50,7 +52,7 @@ restore_goldens() {
 
 save_goldens() {  # this suite's data, kernel results and the ledger; never the scripts (restore would overwrite the running one)
   mkdir -p "$STATE/goldens/$SUITE" "$STATE/goldens/kernels"
-  (cd "$REPO/goldens/$SUITE" && cp -a ./*.parquet MANIFEST.json speed*.json reports logs profile-capture "$STATE/goldens/$SUITE/" 2>/dev/null) || true
+  (cd "$REPO/goldens/$SUITE" && cp -a ./*.parquet ./*.npz MANIFEST.json speed*.json reports logs profile-capture "$STATE/goldens/$SUITE/" 2>/dev/null) || true
   cp -a "$REPO/goldens/kernels/." "$STATE/goldens/kernels/" 2>/dev/null || true
   cp -a "$REPO"/goldens/ledger* "$STATE/goldens/" 2>/dev/null || true
 }
@@ -101,6 +103,16 @@ stage() {
           --json "goldens/$SUITE/reports/$c.json" --html "goldens/$SUITE/reports/$c.html"
       done
       ;;
+    localize)  # diffcheck localize [--step T --around K] CASE...: in-graph taps under each case's CUDA graphs
+      use_env
+      mkdir -p "goldens/$SUITE/reports"
+      local lflags=()
+      while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do lflags+=("$1" "$2"); shift 2; done
+      for c in "$@"; do
+        timed "localize-$c" $DC localize "$c" --suite "$SUITE" "${lflags[@]+"${lflags[@]}"}" \
+          --json "goldens/$SUITE/reports/$c.localize.json" --html "goldens/$SUITE/reports/$c.localize.html"
+      done
+      ;;
     kernels)  # vLLM's Triton unified attention and FA3 under CUDA graphs, with the seq-lens-copy fault; ARGS e.g. --suite quick
       use_env
       local kout=goldens/kernels/vllm-0.26
@@ -123,7 +135,7 @@ stage() {
       timed profile python3 tools/gpu/profile_capture.py --suite "$SUITE" "$@"
       ;;
     *)
-      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, kernels, speed, profile)" >&2
+      echo "device-run.sh: unknown stage '$name' (collect, install, goldens, calibrate, compare, localize, kernels, speed, profile)" >&2
       return 2
       ;;
   esac
