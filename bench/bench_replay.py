@@ -73,7 +73,7 @@ def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> di
     stored_forced = store.read_run(store.run_path(root, SUITE, cid, kind="forced", reference=REFERENCE))
     scored_path = store.run_path(root, SUITE, cid, kind="scored", reference=REFERENCE)
     scored = store.read_run(scored_path) if scored_path.exists() else None
-    tolerances = classify.Tolerances.from_dict(case.tolerances or {}, source=f"{case.source}: [cases.{cid}.tolerances]")
+    tolerances = classify.Tolerances.of_case(case)
     t0 = time.perf_counter()
     with sessionmod.open_engine(case) as engine:
         startup = time.perf_counter() - t0
@@ -104,8 +104,7 @@ def bench_case(suite, cid: str, *, root: Path, golden, floor, rounds: int) -> di
         cand_s = _codec(cand, Path(tmp), "cand")
         full_s_run = _codec(full_run, Path(tmp), "full")
         part_s_run = _codec(part_run, Path(tmp), "part")
-    judge = dict(tolerances=tolerances, candidate_id=cid, reference_id=REFERENCE, floor=floor, text_metrics=True,
-                 tests=len(golden.sequences))
+    judge = dict(tolerances=tolerances, candidate_id=cid, reference_id=REFERENCE, floor=floor, text_metrics=True)
     v_stored = classify.compare_runs(golden, stored, forced=stored_forced, scored=scored, **judge)
     use_scored = scored if same_tokens else None
     v_full = classify.compare_runs(golden, cand_s, forced=full_s_run, scored=use_scored, **judge)

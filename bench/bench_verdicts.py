@@ -91,13 +91,13 @@ def candidate(engine, golden, order):
     return reorder(generated, inverse), reorder(forced, inverse)
 
 
-def judge(golden, run, forced, *, floor, scorer, tests):
+def judge(golden, run, forced, *, floor, scorer):
     from diffcheck.judging.classify import compare_runs
 
     differs = not np.array_equal(golden.steps.token_id, run.steps.token_id) or \
         [s.n_tokens for s in golden.sequences] != [s.n_tokens for s in run.sequences]
     scored = scorer.score(run) if differs else None
-    return compare_runs(golden, run, forced=forced, scored=scored, floor=floor, tests=tests, text_metrics=True)
+    return compare_runs(golden, run, forced=forced, scored=scored, floor=floor, text_metrics=True)
 
 
 def main() -> dict:
@@ -120,7 +120,6 @@ def main() -> dict:
         print(floor.describe(), flush=True)
         rng = np.random.default_rng(7)
         n_seq = len(golden.sequences)
-        tests = len(BATCH_SHAPES) * ORDERS * n_seq
         alarms = []
         with sessionmod.open_engine(ref) as scorer:
             for shape in BATCH_SHAPES:
@@ -130,7 +129,7 @@ def main() -> dict:
                     for k in range(ORDERS):
                         order = list(range(n_seq)) if k == 0 else rng.permutation(n_seq).tolist()
                         run, forced = candidate(engine, golden, order)
-                        verdict = judge(golden, run, forced, floor=floor, scorer=scorer, tests=tests)
+                        verdict = judge(golden, run, forced, floor=floor, scorer=scorer)
                         alarms.append({"max_num_seqs": shape, "order": order, "verdict": verdict.verdict.name,
                                        "flagged": fails(verdict.verdict),
                                        "sequences": [s.verdict.name for s in verdict.sequences]})
@@ -142,7 +141,7 @@ def main() -> dict:
                 case = dataclasses.replace(ref, id=f"noise{scale}", role="candidate", references=("J",), env=env)
                 with sessionmod.open_engine(case) as engine:
                     run, forced = engine.generate(), engine.force(golden)
-                verdict = judge(golden, run, forced, floor=floor, scorer=scorer, tests=len(SCALES) * n_seq)
+                verdict = judge(golden, run, forced, floor=floor, scorer=scorer)
                 worst = max(verdict.sequences, key=lambda s: s.verdict.value)
                 effects = worst.stats.get("effects", {})
                 power.append({"scale": scale, "verdict": verdict.verdict.name, "flagged": fails(verdict.verdict),

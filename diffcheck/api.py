@@ -89,8 +89,9 @@ def compare(reference_run: Run | PathLike, candidate_run: Run | PathLike, *, for
     along the reference (kind ``forced``); `scored`: the reference's logprobs of the candidate's
     tokens (kind ``scored``); both sharpen the verdict past the first divergence. `floor`: the
     reference's noise floor (`diffcheck.Floor`, e.g. from `diffcheck.judging.floor.build_floor`);
-    without one, margins sit at diffcheck's resolution. `tolerances`: a `Tolerances` or a dict of
-    its fields (as in a case's ``[tolerances]`` table).
+    without one, margins are the minimum effect of interest. `tolerances`: a `Tolerances` or a dict
+    of its fields (as in a case's ``[tolerances]`` table; ``min_effect`` as in a case:
+    ``{"min_effect": {"kl": 1e-3, "loss": 0.02}}``).
 
     Returns one `CaseVerdict`: truthy when it passes (`diffcheck.core.types`), its worst
     sequence's verdict in ``.verdict``, per-sequence t*, onset, evidence and statistics in

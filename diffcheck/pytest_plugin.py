@@ -12,7 +12,7 @@ pytest-regressions' ``data_regression``::
 with ``logprobs=K``) or a `diffcheck.core.types.Run`, and compares it with the golden stored
 beside the test file, ``<test_dir>/<test_file_stem>/<name>.parquet`` (``name`` defaults to the
 test's name, with anything but letters, digits, ``_ . -`` replaced by ``_``). The judge is
-`diffcheck.compare` without a noise floor (margins at diffcheck's resolution); what passes is
+`diffcheck.compare` without a noise floor (margins are the minimum effect of interest); what passes is
 `diffcheck.core.types`'s decision: IDENTICAL, BENIGN_DRIFT, WITHIN_BUDGET.
 
 - No golden yet: it is written and the test fails saying so (commit it; the next run passes).

@@ -88,11 +88,11 @@ def test_compare_takes_paths_and_tolerances(tmp_path):
     diffcheck.write_run(cand_path, cand)
     assert diffcheck.read_run(ref_path).steps.token_id.tolist() == ref.steps.token_id.tolist()
     strict = diffcheck.compare(ref_path, str(cand_path))
-    assert strict.verdict is diffcheck.Verdict.DEGRADED  # a steady loss of ~0.05 nats/step is beyond resolution
-    loose = diffcheck.compare(ref_path, cand_path, tolerances={"loss_resolution": 0.5, "kl_resolution": 0.5})
+    assert strict.verdict is diffcheck.Verdict.DEGRADED  # a steady loss of ~0.05 nats/step is beyond the minimum effect
+    loose = diffcheck.compare(ref_path, cand_path, tolerances={"min_effect": {"loss": 0.5, "kl": 0.5}})
     assert loose and loose.verdict is diffcheck.Verdict.IDENTICAL
-    assert diffcheck.compare(ref, cand, tolerances=diffcheck.Tolerances(loss_resolution=0.5,
-                                                                        kl_resolution=0.5)).verdict is loose.verdict
+    assert diffcheck.compare(ref, cand, tolerances=diffcheck.Tolerances(min_effect_loss=0.5,
+                                                                        min_effect_kl=0.5)).verdict is loose.verdict
     with pytest.raises(ConfigError, match="unknown tolerance 'nope'"):
         diffcheck.compare(ref, cand, tolerances={"nope": 1})
     with pytest.raises(ConfigError, match="reference_run must be a diffcheck Run or the path"):

@@ -66,13 +66,13 @@ def test_decide_uses_the_floor_for_margins_and_the_budget_when_given():
     kl = np.full(64, 0.05)
     d = np.full(64, -0.05)
     quiet = Floor(replicas=("a",), n_steps=100, kl_seq_max=0.001, loss_seq_max=0.001)
-    amount, loss, b_amount, b_loss = decide(kl, d, floor=quiet, factor=4, kl_resolution=1e-3,
-                                            loss_resolution=0.02, alpha=0.05, beta=0.2, tests=1,
+    amount, loss, b_amount, b_loss = decide(kl, d, floor=quiet, factor=4, min_effect_kl=1e-3,
+                                            min_effect_loss=0.02, alpha=0.05, beta=0.2, tests=1,
                                             budget=Budget(kl=0.1, loss=0.1))
     assert amount.margin == pytest.approx(4e-3) and amount.beyond and loss.beyond
     assert not b_amount.beyond and not b_loss.beyond  # within a budget of 0.1
     noisy = Floor(replicas=("a",), n_steps=100, kl_seq_max=0.05, loss_seq_max=0.05)
-    amount, loss, *_ = decide(kl, d, floor=noisy, factor=4, kl_resolution=1e-3, loss_resolution=0.02,
+    amount, loss, *_ = decide(kl, d, floor=noisy, factor=4, min_effect_kl=1e-3, min_effect_loss=0.02,
                               alpha=0.05, beta=0.2, tests=1)
     assert not amount.beyond and not loss.beyond
 

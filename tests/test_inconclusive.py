@@ -123,14 +123,14 @@ def test_power_too_low_for_the_margin_is_thin():
 
 def test_the_cpu_lane_floor_zero_forced_replay_bitwise_identical_is_within():
     kl, dlp = np.zeros(192), np.zeros(192)
-    amount, loss, _, _ = decide(kl, dlp, floor=Floor(), factor=4.0, kl_resolution=1e-3, loss_resolution=0.02,
+    amount, loss, _, _ = decide(kl, dlp, floor=Floor(), factor=4.0, min_effect_kl=1e-3, min_effect_loss=0.02,
                                 alpha=0.05, beta=0.2, tests=8)
     assert amount.within and loss.within and (amount.mde, loss.mde) == (0.0, 0.0)
 
 
 def test_budget_effects_are_decided_the_same_way():
     kl = np.zeros(4)
-    *_, b_amount, b_loss = decide(kl, kl, floor=Floor(), factor=4.0, kl_resolution=1e-3, loss_resolution=0.02,
+    *_, b_amount, b_loss = decide(kl, kl, floor=Floor(), factor=4.0, min_effect_kl=1e-3, min_effect_loss=0.02,
                                   alpha=0.05, beta=0.2, tests=1, budget=Budget(kl=0.05, loss=0.1))
     assert not b_amount.within and b_amount.thin and not b_loss.within
 

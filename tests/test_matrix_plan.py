@@ -22,8 +22,6 @@ def test_the_default_matrix_leaves_slow_and_gpu_cases_out_unless_named():
     compared = [c.id for c in p.compared]
     assert "T3" not in compared and "J" not in compared
     assert "F" in compared  # a reference with references of its own is compared too
-    # every sequence the matrix judges: 8 prompts per case and reference
-    assert p.tests == 8 * sum(len(c.references) for c in p.compared)
     named = mx.plan(suite, ["T3"])
     assert [c.id for c in named.compared] == ["T3"] and [c.id for c in named.references] == ["J"]
 

@@ -16,7 +16,7 @@ import pytest
 from diffcheck.core.errors import DataError
 from diffcheck.core.types import Verdict
 from diffcheck.judging import sequential as seq
-from diffcheck.judging.decision import decide, effect_test
+from diffcheck.judging.decision import decide, effect_test, family
 from diffcheck.judging.floor import Floor
 
 from factories import make_run
@@ -33,9 +33,10 @@ def test_looks_double_from_the_goldens_length_up_to_the_budget():
     assert seq.planned_looks([]) == 1
 
 
-def test_each_look_is_judged_at_alpha_over_sequences_times_looks():
-    assert seq.look_tests(8, 4) == 32 and seq.look_tests(0, 0) == 1
-    assert seq.alpha_per_look(0.05, 8, 4) == pytest.approx(0.05 / 32)
+def test_each_look_is_judged_at_alpha_over_the_comparisons_tests_times_looks():
+    # 8 sequences x (KL, loss, far step) x 4 planned looks
+    assert family(8, looks=4).m == 96 and family(0, looks=0).m == 3
+    assert 0.05 / family(8, looks=4).m == pytest.approx(0.05 / 96)
 
 
 def _false_decisions(tests: int, looks: tuple[int, ...], n_paths: int, seed: int) -> tuple[float, float]:
@@ -61,14 +62,14 @@ def test_bonferroni_over_the_looks_keeps_the_false_decision_rate_at_alpha():
     looks = seq.plan_looks(1024, 8192)
     assert looks == (1024, 2048, 4096, 8192)
     naive = _false_decisions(1, looks, 3000, seed=1)
-    corrected = _false_decisions(seq.look_tests(1, len(looks)), looks, 3000, seed=2)
+    corrected = _false_decisions(len(looks), looks, 3000, seed=2)  # one test of one sequence, over its looks
     assert min(naive) > 0.09, naive
     assert max(corrected) <= 0.062, corrected
 
 
 # ---------------------------------------------------------------- the loop, with a fake extension
 
-FLOOR = Floor()  # unmeasured: margins at the resolutions (KL 1e-3, loss 0.02), like the CPU lane's floor of 0
+FLOOR = Floor()  # unmeasured: margins are the minimum effect of interest (KL 1e-3, loss 0.02), like the CPU lane's floor of 0
 
 
 class FakeExtension:
@@ -82,8 +83,8 @@ class FakeExtension:
         self.tests, self.ends, self.calls = tests, ends, []
 
     def verdict(self, i: int, n: int) -> Verdict:
-        amount, loss, _, _ = decide(self.kl[i][:n], self.d[i][:n], floor=FLOOR, factor=4, kl_resolution=1e-3,
-                                    loss_resolution=0.02, alpha=0.05, beta=0.2, tests=self.tests)
+        amount, loss, _, _ = decide(self.kl[i][:n], self.d[i][:n], floor=FLOOR, factor=4, min_effect_kl=1e-3,
+                                    min_effect_loss=0.02, alpha=0.05, beta=0.2, tests=self.tests)
         if amount.beyond or loss.beyond:
             return Verdict.DEGRADED
         return Verdict.BENIGN_DRIFT if amount.within and loss.within else Verdict.INCONCLUSIVE
@@ -101,7 +102,7 @@ class FakeExtension:
 
 def test_the_loop_extends_until_decided_and_never_past_a_decision():
     schedule = seq.plan_looks(16, 4096)  # 9 looks
-    tests = seq.look_tests(3, len(schedule))
+    tests = family(3, looks=len(schedule)).m
     fake = FakeExtension({0: 0.0, 1: 0.06, 2: 0.019}, tests=tests)
     tracks = [seq.Track(i, schedule, [seq.Look(16, fake.verdict(i, 16))]) for i in (0, 1, 2)]
     assert all(t.verdict is Verdict.INCONCLUSIVE for t in tracks)  # 16 steps of these paths decide nothing
@@ -126,7 +127,7 @@ def test_the_loop_extends_until_decided_and_never_past_a_decision():
 
 def test_a_reference_that_stops_ends_its_sequences_looks():
     schedule = seq.plan_looks(16, 1024)
-    fake = FakeExtension({0: 0.019}, tests=seq.look_tests(1, len(schedule)), ends={0: 40})
+    fake = FakeExtension({0: 0.019}, tests=family(1, looks=len(schedule)).m, ends={0: 40})
     track = seq.Track(0, schedule, [seq.Look(16, Verdict.INCONCLUSIVE)])
     seq.run_looks([track], fake)
     assert [lk.steps for lk in track.looks] == [16, 32, 40]  # the third look reaches the reference's end
@@ -146,7 +147,7 @@ def test_a_sequence_without_planned_looks_is_not_extended():
 
 def test_the_power_reached_is_the_minimum_detectable_effect_at_beta_005():
     class Tol:
-        floor_factor, kl_resolution, loss_resolution, alpha, min_steps = 4, 1e-3, 0.02, 0.05, 16
+        floor_factor, min_effect_kl, min_effect_loss, alpha, min_steps = 4, 1e-3, 0.02, 0.05, 16
 
     # a measured floor of known spread: the planned formula, (z + z_0.95)·σ·√(2/n_blocks)
     floor = Floor(n_steps=4096, kl_block_sd=1e-4, loss_block_sd=0.01)

@@ -64,7 +64,8 @@ def test_an_inconclusive_candidate_is_decided_by_extending_its_path(tmp_path, ca
     assert ext["tokens"] == 2 * sum(steps[1:])
     rule = case["summary"]["sequential"]
     assert rule["rule"] == "Bonferroni over the planned looks" and rule["looks_planned"] == 4
-    assert rule["tests"] == 4 and abs(rule["alpha_per_look"] - 0.05 / 4) < 1e-12
+    # one sequence x (KL, loss, far step) x 4 planned looks (`decision.family`)
+    assert rule["tests"] == 12 and abs(rule["alpha_per_look"] - 0.05 / 12) < 1e-12
     assert "sequential extension against J: Bonferroni over the planned looks" in out
     assert f"IDENTICAL after {len(steps)} look(s) at {', '.join(map(str, steps))} steps" in out
 

@@ -140,6 +140,9 @@ def case_toml(case: Case, *, case_id: str, prompts: str, role: str, references: 
     if case.env:
         out += ["", f"[cases.{json.dumps(case_id)}.env]"] + [f"{k} = {_toml_value(v)}" for k, v in
                                                             sorted(case.env.items())]
+    if case.min_effect:
+        out += ["", f"[cases.{json.dumps(case_id)}.min_effect]"] + [f"{k} = {_toml_value(v)}" for k, v in
+                                                                   sorted(case.min_effect.items())]
     if case.tolerances:
         out += ["", f"[cases.{json.dumps(case_id)}.tolerances]"] + [f"{k} = {_toml_value(v)}" for k, v in
                                                                    sorted(case.tolerances.items())]

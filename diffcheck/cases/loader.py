@@ -197,6 +197,7 @@ def _build_case(cid: str, merged: dict, own: dict, *, suite: str, path: Path, er
         tags=tuple(merged.get("tags", ())),
         inherits=own.get("inherits"),
         source=path,
+        min_effect={k: float(v) for k, v in merged.get("min_effect", {}).items()},
     )
 
 

@@ -121,6 +121,9 @@ class Case:
     tags: tuple[str, ...]
     inherits: str | None
     source: Path
+    # The minimum effect of interest the user set ({"kl": ..., "loss": ...}, either or both; the
+    # judge's defaults fill the rest: `judging.tolerances.Tolerances.of_case`).
+    min_effect: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,11 @@ EXPECT_SPEC = {
     "onset": _Spec("int", lo=0),
     "onset_tolerance": _Spec("int", lo=0),
 }
-CONFIG_KEYS = ("model", "prompts", "sampling", "engine", "env", "tolerances", "tags")
+CONFIG_KEYS = ("model", "prompts", "sampling", "engine", "env", "tolerances", "min_effect", "tags")
+MIN_EFFECT_KEYS = ("kl", "loss")  # min_effect = { kl = mean KL per step, loss = mean loss per step } (nats)
+# Tolerance names that are the minimum effect of interest, spelled `min_effect = { ... }` instead.
+MIN_EFFECT_TOLERANCES = {"kl_resolution": "kl", "loss_resolution": "loss", "min_effect_kl": "kl",
+                         "min_effect_loss": "loss"}
 CASE_KEYS = ("inherits", "role", "references", "description", "expect") + CONFIG_KEYS
 _TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
                "strlist": "a list of strings", "table": "a table"}
@@ -239,6 +246,20 @@ def _check_value(key: str, value: Any, spec: _Spec) -> str | None:
     if kind == "table":
         return None if isinstance(value, dict) else f"{key} must be a table, got {_q(value)}"
     raise AssertionError(kind)
+
+
+def check_min_effect(value: Any) -> str | None:
+    """The reason `value` is not a valid ``min_effect`` table, or None."""
+    if not isinstance(value, dict):
+        return (f"min_effect must be a table like {{ kl = 1e-3, loss = 0.02 }} (mean KL and mean loss per "
+                f"step, nats), got {_q(value)}")
+    for k, v in value.items():
+        if k not in MIN_EFFECT_KEYS:
+            return f"unknown key {_q(f'min_effect.{k}')} ({_valid(MIN_EFFECT_KEYS)})"
+        reason = _check_value(f"min_effect.{k}", v, _Spec("number", lo=0))
+        if reason:
+            return reason + " (nats per step)"
+    return None
 
 
 def _plain(value: Any) -> bool:
@@ -333,12 +354,19 @@ def _check_layer(raw: Any, allowed: tuple[str, ...], err, where: str) -> None:
                     raise err(where, f"env name {_q(k)} must match [A-Za-z_][A-Za-z0-9_]*")
                 if not isinstance(v, str):
                     raise err(where, f"env.{k} must be a string (quote it), got {_q(v)}")
+        elif key == "min_effect":
+            reason = check_min_effect(value)
+            if reason:
+                raise err(where, reason)
         elif key == "tolerances":
             if not isinstance(value, dict):
                 raise err(where, f"tolerances must be a table of numbers, got {_q(value)}")
             for k, v in value.items():
                 if not _ENV_NAME.match(k):
                     raise err(where, f"tolerance name {_q(k)} must match [A-Za-z_][A-Za-z0-9_]*")
+                if k in MIN_EFFECT_TOLERANCES:
+                    raise err(where, f"tolerances.{k} is the minimum effect of interest: set min_effect = "
+                                     f"{{ {MIN_EFFECT_TOLERANCES[k]} = ... }} instead")
                 reason = _check_value(f"tolerances.{k}", v, _Spec("number", finite=False))
                 if reason:
                     raise err(where, reason)

@@ -48,8 +48,6 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     refs = sorted({r for c in chosen for r in c.references})
     outcomes = []
     t0 = time.perf_counter()
-    n_prompts = {c.id: len(cases.load_prompts(c)) for c in chosen}
-    n_tests = sum(n_prompts[c.id] * len(c.references) for c in chosen)  # every sequence judged in this run
     with progress.display(verbose=verbose) as shown, sessionmod.EngineSession(verbose=verbose) as pool:
         echo = shown.log
         missing = [ref for ref in refs if not store.run_path(root, s.name, ref).exists()]
@@ -59,8 +57,7 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
         for n, case in enumerate(chosen, 1):
             shown.stage(f"selftest: case {n} of {len(chosen)}: {case.id}")
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
-            comparison = comparemod.compare(s, case.id, root=root, verbose=verbose, echo=echo, session=pool,
-                                        tests=n_tests)
+            comparison = comparemod.compare(s, case.id, root=root, verbose=verbose, echo=echo, session=pool)
             for v in comparison.verdicts:
                 outcomes.append(st.outcome(case, v, strict=strict))
         shown.stage(None)

@@ -37,6 +37,7 @@ import numpy as np
 from diffcheck.core.errors import DataError
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import align
+from diffcheck.judging.decision import family, far_step_level, margins_text
 from diffcheck.judging.baselines import baselines
 from diffcheck.judging.floor import Floor, spec_change
 from diffcheck.judging.judge import Judge
@@ -93,6 +94,7 @@ def _sequence_verdicts(judge: Judge, *, fast: list[bool], layouts, exact: np.nda
     forced_table = fpath.agg.table("forced_") if fpath is not None else None
     lens = al.reference_len.tolist()
     exact_l, close_l = exact.tolist(), close.tolist()
+    margins_line = margins_text(judge.limits.floor, *judge.limits.margins)
     out = []
     for i in range(len(al)):
         a, b = pre_off[i], pre_off[i + 1]
@@ -118,7 +120,8 @@ def _sequence_verdicts(judge: Judge, *, fast: list[bool], layouts, exact: np.nda
                 onset=None, shared_prefix=n, reference_len=n, candidate_len=n,
                 evidence=(f"tokens identical over {n} steps, every step exactly the reference's: shown within the "
                           f"noise floor: mean KL "
-                          f"{stats['kl_mean']:.2g} (margin {judge.limits.kl_margin:.2g}), max {stats['kl_max']:.2g}",),
+                          f"{stats['kl_mean']:.2g} (margin {judge.limits.kl_margin:.2g}), max {stats['kl_max']:.2g}",
+                          margins_line),
                 stats=stats, baselines=baselines, quality=metrics[i], series=series,
             ))
         else:
@@ -138,7 +141,7 @@ def compare_runs(
     token_text: Callable[[int], str] | None = None,
     text_metrics: bool = True,
     floor: Floor | None = None,
-    tests: int | None = None,
+    looks: int = 1,
     forced_reference: Run | None = None,
 ) -> CaseVerdict:
     """Judge every candidate sequence against its reference sequence.
@@ -150,9 +153,10 @@ def compare_runs(
     Python and can cost more than the whole numeric comparison: every
     `SequenceVerdict.quality` is then empty and the text-metric signal is off.
     `floor`: the reference's noise floor (`floor.build_floor`); without one, margins
-    sit at diffcheck's resolution and the summary says so. `tests`: how many
-    sequences are judged at once across every comparison of the command (default:
-    this comparison's), for the multiple-testing correction. `forced_reference`: the
+    are the minimum effect of interest (`tolerances.min_effect`) and the summary says so.
+    Every test is corrected for the comparison's tests (`decision.family`: every sequence's
+    tests times `looks`, the looks a sequential extension plans), whichever command asks, and
+    the summary states them (``tests``). `forced_reference`: the
     reference path `forced` followed when it is longer than `reference` (a sequential
     extension, `judging.sequential`): the forced path's statistics read it, from the same
     prompts and the same first tokens; alignment, t* and the text signals still read
@@ -162,13 +166,11 @@ def compare_runs(
     _check_kind(reference, "generate", "reference")
     _check_kind(candidate, "generate", "candidate")
     floor = floor if floor is not None else Floor()
-    lim = Limits.of(floor, tol)
     change = spec_change(reference, candidate)
     budget = budget_for(change, tol)
     ref, cand = Layout.of(reference), Layout.of(candidate)
     al = align(reference, candidate, reference_len=ref.lens, candidate_len=cand.lens)
-    pre = same_context_path(reference, candidate, ref, cand, al.shared_prefix, tol, lim)
-    fpath = scored_layout = None
+    n_forced = None
     if forced is not None:
         _check_kind(forced, "forced", "forced")
         forced_layout = Layout.of(forced)
@@ -177,8 +179,15 @@ def compare_runs(
             _check_kind(forced_reference, "generate", "forced reference")
             lead, lead_layout = forced_reference, Layout.of(forced_reference)
             check_follows(forced_reference, reference, lead_layout, ref, what="reference", against="extended reference")
-        n = check_follows(lead, forced, lead_layout, forced_layout, what="forced", against="reference")
-        fpath = same_context_path(lead, forced, lead_layout, forced_layout, n, tol, lim)
+        n_forced = check_follows(lead, forced, lead_layout, forced_layout, what="forced", against="reference")
+    tests = family(len(al), budget=budget is not None, looks=looks)
+    # the far-step rule reads, per sequence, the steps before t*, t* itself and the forced path
+    far_steps = int(ref.lens.max(initial=0)) + 1 + (int(n_forced.max(initial=0)) if n_forced is not None else 0)
+    lim = Limits.of(floor, tol, tests=tests.m, steps=far_steps)
+    pre = same_context_path(reference, candidate, ref, cand, al.shared_prefix, tol, lim)
+    fpath = scored_layout = None
+    if forced is not None:
+        fpath = same_context_path(lead, forced, lead_layout, forced_layout, n_forced, tol, lim)
     if scored is not None:
         _check_kind(scored, "scored", "scored")
         scored_layout = Layout.of(scored)
@@ -189,7 +198,7 @@ def compare_runs(
     metrics = _text_metrics(candidate, al.t_star >= 0) if text_metrics else [{} for _ in candidate.sequences]
     judge = Judge(reference=reference, candidate=candidate, scored=scored, layouts=(ref, cand, scored_layout),
                    alignment=al, before=pre, forced_path=fpath, tol=tol, limits=lim, budget=budget, change=change,
-                   tests=tests or len(al), metrics=metrics, token_text=token_text)
+                   tests=tests.m, metrics=metrics, token_text=token_text)
 
     # The case summary's percentiles partition every same-context step: run them on a
     # thread (numpy releases the GIL there) while this thread judges sequences.
@@ -226,7 +235,12 @@ def compare_runs(
         **same,
         "baselines": {"exact_match": int(exact.sum()), "check_logprobs_close": int(close.sum())},
         "floor": {"description": floor.describe(), **floor.as_dict(), "kl_margin": lim.kl_margin,
-                  "loss_margin": lim.loss_margin, "far_kl": lim.far},
+                  "loss_margin": lim.loss_margin, "far_kl": lim.far,
+                  "margins": {"kl": lim.margins[0].as_dict(), "loss": lim.margins[1].as_dict(),
+                              "text": margins_text(floor, *lim.margins)},
+                  "far_step_level": far_step_level(floor, lim.far, steps=far_steps), "far_steps": far_steps},
+        "min_effect": tol.min_effect,
+        "tests": tests.as_dict(tol.alpha),
         "signals": {"forced": forced is not None, "scored": scored is not None, "floor": floor.measured},
         "spec_change": {k: list(v) for k, v in change.items()},
     }

@@ -35,6 +35,7 @@ from diffcheck.judging.align import align, lengths, segment_rows
 from diffcheck.core.types import Run
 
 SPEC_KEYS = ("dtype", "kv_cache_dtype", "quantization")
+FLOOR_ZERO = "floor 0: margins are the minimum effect of interest"  # said wherever a floor of 0 sets no margin
 BLOCK = 16  # steps per block for batch-means standard errors (decode steps are correlated over a few tokens)
 
 
@@ -90,10 +91,11 @@ class Floor:
 
     def describe(self) -> str:
         if not self.measured:
-            return "no noise floor measured for this reference (margins at diffcheck's resolution)"
+            return "no noise floor measured for this reference (margins are the minimum effect of interest)"
+        zero = f"; {FLOOR_ZERO}" if not (self.kl_seq_max or self.loss_seq_max) else ""
         return (f"floor from {len(self.replicas)} replica(s) ({', '.join(self.replicas)}), {self.n_steps} steps: "
                 f"per-sequence mean KL up to {self.kl_seq_max:.3g}, |mean Δlogprob| up to {self.loss_seq_max:.3g}, "
-                f"step KL up to {self.kl_step_max:.3g}")
+                f"step KL up to {self.kl_step_max:.3g}{zero}")
 
     def as_dict(self) -> dict[str, Any]:
         return {"replicas": list(self.replicas), "n_steps": self.n_steps, "kl_seq_max": self.kl_seq_max,

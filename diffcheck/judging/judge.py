@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from diffcheck.judging import stats as S
-from diffcheck.judging.decision import decide, undecided_reasons
+from diffcheck.judging.decision import decide, margins_text, undecided_reasons
 from diffcheck.judging.signals import Signal, departure, loop_onset, mean, text_flags
 from diffcheck.core.types import SequenceVerdict, Verdict
 
@@ -175,8 +175,8 @@ class Judge:
         else:
             path_name, path = "same-context steps" if t is None else "steps before t*", before
         amount, loss, b_amount, b_loss = decide(
-            path.kl, path.dlogprob, floor=lim.floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
-            loss_resolution=tol.loss_resolution, alpha=tol.alpha, beta=tol.beta, tests=self.tests,
+            path.kl, path.dlogprob, floor=lim.floor, factor=tol.floor_factor, min_effect_kl=tol.min_effect_kl,
+            min_effect_loss=tol.min_effect_loss, alpha=tol.alpha, beta=tol.beta, tests=self.tests,
             budget=self.budget, min_steps=tol.min_steps)
         stats["effects"] = {"path": path_name, "amount": amount.as_dict(), "loss": loss.as_dict()}
         # far steps: same-context steps (before t*, and t* itself) far beyond any benign step
@@ -189,11 +189,13 @@ class Judge:
         failures: list[str] = []
         notes: list[str] = []
         floor_text = [f"{path_name} vs the noise floor: {amount.text()}; {loss.text()}"]
+        if lim.floor.kl_seq_max == 0 and lim.floor.loss_seq_max == 0:
+            floor_text.append(margins_text(lim.floor, *lim.margins))  # floor 0: margins are the minimum effect
         if far_steps:
             s0 = min(far_steps)
             kl0 = float(self.kl_at_t_star[i]) if s0 == t else float((before.kl if s0 < len(before) else path.kl)[s0])
-            floor_text.append(f"{len(far_steps)} same-context step(s) with KL beyond {lim.far:.3g} (10x the floor's "
-                              f"largest step or {tol.far_kl:g}), first at step {s0} (KL {kl0:.3g})")
+            floor_text.append(f"{len(far_steps)} same-context step(s) with KL beyond {lim.far:.3g} ({tol.far_factor:g}x "
+                              f"the floor's largest step, at least {tol.far_kl:g}), first at step {s0} (KL {kl0:.3g})")
         verdict, onset = Verdict.IDENTICAL if t is None else Verdict.BENIGN_DRIFT, None
         generate_only_garbage = ""  # why generate-only garbage evidence decides nothing (see `signals`)
         if t is not None:

@@ -12,7 +12,7 @@ import numpy as np
 from diffcheck.core.errors import DataError
 from diffcheck.judging import stats as S
 from diffcheck.judging.align import check_matched, lengths, segment_rows
-from diffcheck.judging.decision import far_step_threshold, margins
+from diffcheck.judging.decision import Margin, far_step_threshold, margins
 from diffcheck.judging.floor import Floor
 from diffcheck.judging.signals import departed
 from diffcheck.judging.tolerances import Tolerances
@@ -54,12 +54,17 @@ class Limits:
     kl_margin: float
     loss_margin: float
     far: float  # a single step's KL beyond this is far outside anything benign
+    margins: tuple[Margin, ...] = ()  # (KL, loss): what set each margin
 
     @staticmethod
-    def of(floor: Floor, tol: Tolerances) -> "Limits":
-        m_kl, m_loss = margins(floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
-                               loss_resolution=tol.loss_resolution)
-        return Limits(floor, m_kl, m_loss, far_step_threshold(floor, far_factor=tol.far_factor, far_kl=tol.far_kl))
+    def of(floor: Floor, tol: Tolerances, *, tests: int = 1, steps: int = 1) -> "Limits":
+        """`tests`: the comparison's tests (`decision.family`); `steps`: the most same-context steps
+        one sequence's far-step rule reads."""
+        m_kl, m_loss = margins(floor, factor=tol.floor_factor, min_effect_kl=tol.min_effect_kl,
+                               min_effect_loss=tol.min_effect_loss)
+        far = far_step_threshold(floor, far_factor=tol.far_factor, far_kl=tol.far_kl, alpha=tol.alpha, tests=tests,
+                                 steps=steps)
+        return Limits(floor, m_kl.value, m_loss.value, far, (m_kl, m_loss))
 
 
 def aggregate(st: S.StepStats, off: np.ndarray, tol: Tolerances, lim: Limits) -> Aggregate:

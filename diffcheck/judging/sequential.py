@@ -12,10 +12,10 @@ The parts, all pure (the engine work is the caller's callback):
 
 - `plan_looks`: the path lengths of one sequence's looks: its golden's length, then
   doubling, the last one capped at its budget;
-- the **alpha rule**, Bonferroni over the planned looks: with m sequences judged by the
-  command and at most L looks per sequence (`planned_looks`, fixed before the first look),
-  every look of every sequence is judged at ``alpha / (m·L)`` (`look_tests`: the decision
-  is asked for m·L tests), so the chance that any look of any sequence shows a difference
+- the **alpha rule**, Bonferroni over the planned looks: with m tests in the comparison
+  (every sequence's, `decision.family`) and at most L looks per sequence (`planned_looks`,
+  fixed before the first look), every test at every look is judged at ``alpha / (m·L)``
+  (``family(..., looks=L)``), so the chance that any look of any sequence shows a difference
   or an equivalence that is not there stays at most alpha, however many looks are taken;
 - `run_looks`: the loop: extend the undecided sequences to their next look, judge, stop
   those decided, until none is left or none can go further. A sequence still undecided at
@@ -60,16 +60,6 @@ def plan_looks(start: int, cap: int, growth: int = GROWTH) -> tuple[int, ...]:
 def planned_looks(schedules: Iterable[tuple[int, ...]]) -> int:
     """L: the most looks any sequence may take (at least 1, the plain comparison)."""
     return max((len(s) for s in schedules), default=1)
-
-
-def look_tests(tests: int, looks: int) -> int:
-    """How many tests each look's decision is corrected for: m sequences × L planned looks."""
-    return max(int(tests), 1) * max(int(looks), 1)
-
-
-def alpha_per_look(alpha: float, tests: int, looks: int) -> float:
-    """The level of each one-sided test at each look: alpha / (m·L)."""
-    return alpha / look_tests(tests, looks)
 
 
 @dataclass(frozen=True)
@@ -161,8 +151,8 @@ def power_reached(kl: np.ndarray, dlogprob: np.ndarray, *, floor: Floor, tol, te
                   beta: float = POWER_BETA) -> dict[str, float]:
     """The smallest mean KL and mean loss this path would have shown with probability 1 − `beta`
     at the level its looks were judged at (`decision.decide`'s minimum detectable effect)."""
-    amount, loss, _, _ = decide(kl, dlogprob, floor=floor, factor=tol.floor_factor, kl_resolution=tol.kl_resolution,
-                                loss_resolution=tol.loss_resolution, alpha=tol.alpha, beta=beta, tests=tests,
+    amount, loss, _, _ = decide(kl, dlogprob, floor=floor, factor=tol.floor_factor, min_effect_kl=tol.min_effect_kl,
+                                min_effect_loss=tol.min_effect_loss, alpha=tol.alpha, beta=beta, tests=tests,
                                 min_steps=tol.min_steps)
     return {"power": 1.0 - beta, "kl": amount.mde, "loss": loss.mde, "steps": int(kl.shape[0])}
 

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from diffcheck.cases.schema import MIN_EFFECT_TOLERANCES, check_min_effect
 from diffcheck.core.errors import ConfigError
 from diffcheck.judging.decision import Budget
 
@@ -19,22 +20,26 @@ class Tolerances:
     ``[tolerances]`` table with `from_dict`; ``inf`` disables a limit.
 
     The floor decision (`decision`) needs no threshold table: margins come from the
-    reference's measured noise floor. These fields say how sure a verdict must be,
-    what diffcheck claims to resolve at all, and what a precision change may cost.
+    reference's measured noise floor, never below the case's minimum effect of interest
+    (``min_effect``). These fields say how sure a verdict must be, how small an effect
+    matters at all, and what a precision change may cost.
     """
 
     # The statistical decision (see `decision`).
-    alpha: float = 0.05  # false-alarm rate per comparison, split over the sequences judged at once
+    alpha: float = 0.05  # false-alarm rate per comparison, split over every test it runs (`decision.family`)
     beta: float = 0.2  # 1 - power, for the minimum detectable effect reported beside each verdict
     # A pass must be shown: a path of fewer same-context steps than this (one batch-means
     # block) cannot show equivalence and is INCONCLUSIVE, however close its few steps are.
     min_steps: int = 16
     floor_factor: float = 4.0  # margin = this x the largest per-sequence value seen under benign variation
-    # Below these, diffcheck does not tell two distributions apart, whatever the floor says:
-    # llama.cpp measures ~5e-4 nats mean KL for merely storing weights in f16, and the
-    # stored logprob codes carry ~1% relative rounding.
-    kl_resolution: float = 1e-3
-    loss_resolution: float = 0.02
+    # The minimum effect of interest (a case's ``min_effect = { kl = ..., loss = ... }``): the
+    # smallest mean KL and mean loss per step worth calling a difference, whatever the floor
+    # says. A practical threshold chosen by the user, not a measured quantity: margins are
+    # max(floor_factor x floor, this), so on a floor of 0 (the CPU lane) they are exactly this.
+    # The defaults sit above what no user would call a bug: llama.cpp measures ~5e-4 nats mean
+    # KL for merely storing weights in f16, and the stored logprob codes carry ~1% rounding.
+    min_effect_kl: float = 1e-3
+    min_effect_loss: float = 0.02
     # One same-context step (before or at t*) this far beyond the floor's largest step is
     # not noise: far_factor x the floor's largest step KL, and at least far_kl.
     far_factor: float = 10.0
@@ -85,10 +90,34 @@ class Tolerances:
         kinds = {f.name: type(f.default) for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, value in (d or {}).items():
+            if key == "min_effect":
+                reason = check_min_effect(value)
+                if reason:
+                    raise ConfigError(f"{source}: {reason}")
+                values.update({f"min_effect_{k}": float(v) for k, v in value.items()})
+                continue
+            if key in MIN_EFFECT_TOLERANCES:
+                raise ConfigError(f"{source}: tolerance {key!r} is the minimum effect of interest: set "
+                                  f"min_effect = {{ {MIN_EFFECT_TOLERANCES[key]} = ... }} instead")
             if key not in kinds:
-                raise ConfigError(f"{source}: unknown tolerance {key!r}; valid: {', '.join(kinds)}")
+                valid = [k for k in kinds if not k.startswith("min_effect_")]
+                raise ConfigError(f"{source}: unknown tolerance {key!r}; valid: {', '.join(valid)}")
             values[key] = _tolerance_value(f"{source}: tolerances.{key}", key, value, kinds[key])
         return cls(**values)
+
+    @classmethod
+    def of_case(cls, case) -> "Tolerances":
+        """A case's tolerances: its ``[tolerances]`` table and its ``min_effect`` (both checked when
+        the suite was loaded; a tolerance name the judge does not know is refused here)."""
+        d = dict(case.tolerances or {})
+        if getattr(case, "min_effect", None):
+            d["min_effect"] = dict(case.min_effect)
+        return cls.from_dict(d, source=f"{case.source}: [cases.{case.id}.tolerances]")
+
+    @property
+    def min_effect(self) -> dict[str, float]:
+        """The minimum effect of interest, as a case spells it."""
+        return {"kl": self.min_effect_kl, "loss": self.min_effect_loss}
 
 
 # Default precision budgets per changed spec key (mean KL, mean loss per step), summed

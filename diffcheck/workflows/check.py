@@ -163,7 +163,6 @@ def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bo
                         f"{' '.join(missing)} --suite {suite_arg(suite)}`")
     refs_of = {c.id: ((c.id,) if c.role == "reference" else ()) + tuple(r for r in c.references if r != c.id)
                for c in chosen}
-    n_tests = sum(len(casesmod.load_prompts(c)) * len(refs_of[c.id]) for c in chosen)
     comparisons: dict[str, comparemod.Comparison] = {}
     moves = []
     for n, case in enumerate(chosen, 1):
@@ -171,7 +170,7 @@ def run_check(suite, *, root: Path, include: set[str] | None = None, verbose: bo
         progress.stage(f"check: case {n} of {len(chosen)}: {case.id} against {against}")
         echo(f"[{n}/{len(chosen)}] {case.id}: against {against}")
         comparison = comparemod.compare(suite, case.id, root=root, verbose=verbose, force=force, echo=echo,
-                                    tests=n_tests, replay=replay, own_golden=case.role == "reference")
+                                    replay=replay, own_golden=case.role == "reference")
         comparisons[case.id] = comparison
         if case.role == "reference":
             moves.append(golden_move(case, comparison, strict=strict))

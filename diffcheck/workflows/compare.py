@@ -34,7 +34,7 @@ class Comparison:
     reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
     forced: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> forced run, where one exists
     scored: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> its scoring of the candidate
-    tests: int = 0  # the tests each decision was corrected for (sequences × planned looks)
+    looks: int = 1  # the looks a sequential extension planned: each comparison's tests are counted times these
 
     @property
     def verdict(self) -> Verdict:
@@ -88,7 +88,7 @@ def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = Fal
 
 def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, verbose: bool = False,
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
-            tests: int | None = None, replay: str | None = None, own_golden: bool | None = None,
+            replay: str | None = None, own_golden: bool | None = None,
             view: Callable[[Run], Run] | None = None,
             candidate_session: sessionmod.EngineSession | None = None, looks: int = 1) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
@@ -102,8 +102,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     `run_file`: judge that recorded run (and the forced/scored files beside it)
     instead of running the engine; a missing scored file is computed with the local
     reference engine when the golden was recorded on hardware like this one, and the
-    signals the verdict had are always stated. `tests`: how many sequences the whole
-    command judges (multiple-testing correction); default, this comparison's.
+    signals the verdict had are always stated. Each comparison is corrected for its own tests
+    (`judging.decision.family`), whichever command asks.
     `replay`: the forced-replay mode (`run_candidate`; default partial).
     `view`: the candidate is judged against ``view(golden)`` of each reference (a probe of
     `diffcheck reduce`: the golden cut to the probe's prompts and steps, `judging.align.prefix_view`);
@@ -111,7 +111,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     session's engine of its configuration, kept open for the next case that differs only in
     prompts or sampling (`EngineSession.rebound`). `looks`: the most looks a sequential
     extension may take of each sequence (`workflows.sequential`); every decision is then
-    corrected for sequences × looks tests, this first look included.
+    corrected for the comparison's tests × looks, this first look included.
     """
     from diffcheck.judging import classify
 
@@ -119,8 +119,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     references = judged_references(case, own_golden)
     full = {r: workspace.load_golden(root, suite.name, r) for r in references}
     goldens = {r: view(g) for r, g in full.items()} if view is not None else full
-    tolerances = classify.Tolerances.from_dict(case.tolerances or {},
-                                               source=f"{case.source}: [cases.{case.id}.tolerances]")
+    tolerances = classify.Tolerances.of_case(case)
     reused: list[str] = []
     failed: dict[str, str] = {}  # reference -> why its scoring engine failed: an ERROR, never judged without it
     if run_file is not None:
@@ -163,7 +162,6 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                     failed[r] = exc.message
     token_text = token_texts(case)
     verdicts = []
-    n_tests = (tests or sum(len(candidate.sequences) for _ in references)) * max(int(looks), 1)
     for r in references:
         if r in failed:
             echo(f"{case.id} vs {r}: ERROR: scoring with reference {r} failed: {failed[r]}")
@@ -171,10 +169,10 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             continue
         verdicts.append(judge_reference(suite, case, r, golden=goldens[r], full_golden=full[r], candidate=candidate,
                                         forced=forced.get(r), scored=scored.get(r), tolerances=tolerances,
-                                        token_text=token_text, tests=n_tests, root=root, echo=echo))
+                                        token_text=token_text, looks=looks, root=root, echo=echo))
     workspace.set_verdict(root, candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
-                      forced=dict(forced), scored=dict(scored), tests=n_tests)
+                      forced=dict(forced), scored=dict(scored), looks=max(int(looks), 1))
 
 
 def judged_references(case, own_golden: bool | None = None) -> list[str]:
@@ -202,7 +200,7 @@ def token_texts(case) -> Callable[[int], str] | None:
 
 
 def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candidate: Run, forced: Run | None,
-                    scored: Run | None, tolerances, token_text, tests: int, root: Path, echo: Echo = print,
+                    scored: Run | None, tolerances, token_text, looks: int = 1, root: Path, echo: Echo = print,
                     forced_reference: Run | None = None, quiet: bool = False):
     """The candidate judged against reference `r`'s golden and floor (`classify.compare_runs`), with the
     config delta and the signals it lacked. `forced_reference`: the longer reference path `forced`
@@ -220,7 +218,7 @@ def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candi
                                                           ("scoring", scored is not None)) if have]
         echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
     v = classify.compare_runs(golden, candidate, forced=forced, scored=scored, tolerances=tolerances,
-                              candidate_id=case.id, reference_id=r, token_text=token_text, floor=floor, tests=tests,
+                              candidate_id=case.id, reference_id=r, token_text=token_text, floor=floor, looks=looks,
                               forced_reference=forced_reference)
     delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
     summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}

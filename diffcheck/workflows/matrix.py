@@ -8,8 +8,8 @@ the driver alone stores them (`diffcheck.workspace`) and judges them.
    date.
 2. **Every candidate** the ledger does not hold is generated and forced along its
    goldens, then every candidate is judged against its references from its stored
-   files (`comparemod.compare`), with ``tests`` = the number of sequences the whole
-   matrix judges (the multiple-testing correction).
+   files (`comparemod.compare`), each corrected for its own tests (`judging.decision.family`),
+   as `compare` corrects it.
    Cases that list references while being references themselves (a second,
    unbatched reference) are compared too.
 3. Every engine run goes through the ledger: a run with the same key (config, code,
@@ -53,13 +53,6 @@ class Plan:
     references: tuple[Any, ...]  # Cases whose goldens are needed, suite order
     compared: tuple[Any, ...]  # Cases compared against their references, suite order
     left_out: tuple[str, ...] = ()  # tagged slow/gpu and not named
-
-    @property
-    def tests(self) -> int:
-        """Sequences the whole matrix judges: the m of the Bonferroni correction."""
-        from diffcheck import cases as casesmod
-
-        return sum(len(casesmod.load_prompts(c)) * len(c.references) for c in self.compared)
 
     @property
     def steps(self) -> int:
@@ -195,7 +188,7 @@ def run_plan(suite, p: Plan, executor, *, root: Path, echo: Echo, force: bool, v
     for case in p.compared:
         if case.id not in comparisons:
             comparisons[case.id] = comparemod.compare(suite, case.id, root=root, verbose=verbose, echo=echo,
-                                                      run_file=workspace.candidate_file(root, case), tests=p.tests)
+                                                      run_file=workspace.candidate_file(root, case))
             check()
             echo(f"{case.id}: {comparisons[case.id].verdict.name}")
     return {c.id: comparisons[c.id] for c in p.compared}, golden_errors

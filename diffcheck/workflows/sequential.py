@@ -84,7 +84,7 @@ def until_decided(suite, case_id: str, *, root: Path, max_tokens: int = seq.DEFA
     plans = {r: schedules(casesmod.get_case(suite, r), g, max_tokens) for r, g in goldens.items()}
     looks = seq.planned_looks(s for p in plans.values() for s in p.values())
     echo(f"{case.id}: until decided: at most {looks} look(s) per sequence, paths up to {max_tokens} steps; "
-         f"every look judged at alpha / (sequences x {looks}) ({seq.RULE})")
+         f"every look judged at alpha / (the comparison's tests x {looks}) ({seq.RULE})")
     with contextlib.ExitStack() as stack:
         ref_pool = stack.enter_context(_Pool(verbose=verbose))
         # a candidate of its references' configuration (a reference against its own golden) shares their engine
@@ -106,7 +106,7 @@ def until_decided(suite, case_id: str, *, root: Path, max_tokens: int = seq.DEFA
             if r not in comparison.forced:
                 echo(f"{case.id} vs {r}: {len(undecided)} undecided sequence(s) not extended: no forced replay "
                      "(the candidate's engine cannot be teacher-forced)")
-                verdicts.append(_annotated(v, [], {}, looks=looks, max_tokens=max_tokens, tests=comparison.tests,
+                verdicts.append(_annotated(v, [], {}, looks=looks, max_tokens=max_tokens,
                                            alpha=_tolerances(case).alpha, why="no forced replay"))
                 continue
             verdicts.append(_extend(suite, case, r, v, undecided, comparison, plans[r], looks=looks,
@@ -119,7 +119,7 @@ def until_decided(suite, case_id: str, *, root: Path, max_tokens: int = seq.DEFA
 def _tolerances(case):
     from diffcheck.judging import classify
 
-    return classify.Tolerances.from_dict(case.tolerances or {}, source=f"{case.source}: [cases.{case.id}.tolerances]")
+    return classify.Tolerances.of_case(case)
 
 
 def _extend(suite, case, r: str, first: CaseVerdict, undecided: list[int], comparison, plan, *, looks: int,
@@ -160,7 +160,7 @@ def _extend(suite, case, r: str, first: CaseVerdict, undecided: list[int], compa
                                         mechanism=cand_engine.mechanism)
         v = comparemod.judge_reference(suite, case, r, golden=golden, full_golden=golden, candidate=candidate,
                                        forced=forced, scored=comparison.scored.get(r), tolerances=tolerances,
-                                       token_text=token_text, tests=comparison.tests, root=root, echo=echo,
+                                       token_text=token_text, looks=comparison.looks, root=root, echo=echo,
                                        forced_reference=longer_golden, quiet=True)
         forced_now = sum(reached[i][0] - starts[i] for i in grown)
         state.update(golden=longer_golden, forced=forced, verdict=v, generated=state["generated"] + regenerated.n_tokens,
@@ -189,16 +189,17 @@ def _extend(suite, case, r: str, first: CaseVerdict, undecided: list[int], compa
     seq.run_looks(tracks, extend, on_look=on_look)
     floor, _ = workspace.load_floor(root, suite.name, r, golden, candidate=candidate)
     spent = {"reference_generated": state["generated"], "candidate_forced": state["forced_tokens"]}
-    return _annotated(state["verdict"], tracks, spent, looks=looks, max_tokens=max_tokens, tests=comparison.tests,
+    return _annotated(state["verdict"], tracks, spent, looks=looks, max_tokens=max_tokens,
                       alpha=tolerances.alpha, floor=floor, tolerances=tolerances)
 
 
-def _annotated(v: CaseVerdict, tracks: list[seq.Track], spent: dict, *, looks: int, max_tokens: int, tests: int,
+def _annotated(v: CaseVerdict, tracks: list[seq.Track], spent: dict, *, looks: int, max_tokens: int,
                alpha: float, why: str = "", floor=None, tolerances=None) -> CaseVerdict:
     """`v` with each extended sequence's looks, tokens, verdict and power reached (first evidence
     lines and ``stats.sequential``), and the rule in ``summary.sequential``."""
     import numpy as np
 
+    tests = int((v.summary.get("tests") or {}).get("m", 1))  # the comparison's tests x looks (`decision.family`)
     by_index = {t.index: t for t in tracks}
     sequences, records = [], []
     for s in v.sequences:
