@@ -7,6 +7,8 @@ written to a temporary folder, runs are synthetic with a known loss per step."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -145,3 +147,13 @@ def test_without_a_floor_the_report_says_the_margins_are_the_minimum_effect():
     assert v.summary["floor"]["description"].endswith("(margins are the minimum effect of interest)")
     assert any(e.startswith("no floor measured: margins are the minimum effect of interest")
                for e in v.sequences[0].evidence)
+
+
+def test_cases_show_states_the_minimum_effect_each_case_is_judged_with(tmp_path, capsys):
+    path = _suite(tmp_path, case_extra="min_effect = { loss = 0.005 }\n")
+    out = tmp_path / "O.json"
+    assert main(["cases", "show", "O", "--suite", str(path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["min_effect"] == {"kl": 1e-3, "loss": 0.005}  # its own, the default for kl
+    capsys.readouterr()
+    assert main(["cases", "show", "J", "--suite", str(path)]) == 0
+    assert "min_effect  { kl = 0.001, loss = 0.02 } (the defaults)" in capsys.readouterr().out

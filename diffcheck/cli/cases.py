@@ -70,6 +70,7 @@ Examples:
 def show(case_id, suite, json_path):
     """Show CASE_ID's resolved config and how it differs from its references."""
     from diffcheck import cases as lang
+    from diffcheck.judging.tolerances import Tolerances
 
     loaded = lang.load_suite(suite)
     case = lang.get_case(loaded, case_id)
@@ -86,6 +87,7 @@ def show(case_id, suite, json_path):
         "prompts_file": lang.display_path(case.prompts_file),
         "expect": _expect(case.expect),
         "tolerances": case.tolerances,
+        "min_effect": {**Tolerances().min_effect, **case.min_effect},  # the case's, the judge's defaults for the rest
         "digest": lang.config_digest(case),
     }
     if json_path:
@@ -175,6 +177,8 @@ def _print_show(facts: dict, resolved: dict, deltas: dict, *, case_id: str) -> N
     from rich.syntax import Syntax
     from rich.table import Table
 
+    from diffcheck.judging.tolerances import Tolerances
+
     console = Console()
     console.print(f"[bold]{escape(facts['id'])}[/] ({escape(facts['suite'])}, {facts['role']}): "
                   f"{escape(facts['description'])}", highlight=False)
@@ -185,6 +189,8 @@ def _print_show(facts: dict, resolved: dict, deltas: dict, *, case_id: str) -> N
         ("prompts", f"{facts['prompts_file']} ({_plural(resolved['prompts']['count'], 'prompt')})"),
         ("expect", _toml_value(facts["expect"]) if facts["expect"] else "none"),
         ("tolerances", _toml_value(facts["tolerances"]) if facts["tolerances"] else "classifier defaults"),
+        ("min_effect", _toml_value(facts["min_effect"]) +
+         (" (the defaults)" if facts["min_effect"] == Tolerances().min_effect else "")),
         ("digest", facts["digest"]),
     ]
     for key, value in about:
