@@ -23,6 +23,11 @@ a mixed batch). The first decode pass after a prefill is step 0. For requests
 that are prefilled together, the pass at decode step k produces output token
 index k + 1 (token 0 comes from the prefill). A fault "from step N" therefore
 never changes output tokens 0..N; what it first can change is token N + 1.
+
+Where a fault acts (`FaultInfo.acts_in`, `FaultInfo.layers`, `FaultInfo.shows_at`) and
+`expected_site`: the decoder layer and op whose output a fault changes first, and the
+step of ``diffcheck localize`` (the forward pass that produced output token t) at which
+it first changes it. This is what ``diffcheck selftest --localize`` checks localize against.
 """
 
 from __future__ import annotations
@@ -64,6 +69,17 @@ class FaultInfo:
     default_head: int | None = None
     default_offset: int | None = None
     default_scale: float | None = None
+    # Where it acts, as data (read from its runtime under diffcheck/faults/): the op of a decoder
+    # layer whose output it changes first, in the names of diffcheck.judging.localize.OPS
+    # ("self_attn": the attention module's output, after o_proj); which layer ("fault": the layer
+    # DIFFCHECK_FAULT_LAYER names, layer 0 for `all`; "first": the first layer that reads it,
+    # layer 0); and the first output token it changes, as decode steps after its start step N
+    # (`shows_at` = 1: the pass of decode step N, which produces token N + 1).
+    acts_in: str = "self_attn"
+    layers: str = "first"
+    shows_at: int = 1
+    where: str = ""  # the same in words
+    only_under: str | None = None  # a condition without which it changes nothing (e.g. FULL decode graphs)
 
 
 CATALOGUE: tuple[FaultInfo, ...] = (
@@ -77,6 +93,11 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         symptom="context frozen at step N: loops and word salad (\"a bicycle is a bicycle is a bicycle\"); "
         "after a sequence finishes and rows move, another sequence's text leaks in",
         fixed="same persistent buffers, refreshed from the current batch before every use",
+        where="the first attention that reads the decode metadata, layer 0's self_attn: at decode step N "
+        "the buffers are filled from the current batch (still right), from step N + 1 every layer reads "
+        "them stale, so the first output it changes is token N + 2",
+        layers="first",
+        shows_at=2,
     ),
     FaultInfo(
         name="kv-write-corruption",
@@ -88,6 +109,10 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         fixed="the same staged write, with key and value in their own slots",
         options=(ENV_LAYER,),
         default_layer="0",
+        where="the attention of the layer it writes (DIFFCHECK_FAULT_LAYER, layer 0 by default; `all`: "
+        "layer 0 first): the decode pass at step N writes the key into the value slot before that "
+        "layer's attention reads the cache, so its self_attn output changes in the same pass (token N + 1)",
+        layers="fault",
     ),
     FaultInfo(
         name="rope-offset",
@@ -100,6 +125,9 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         fixed="the same position path with the correct positions",
         options=(ENV_OFFSET,),
         default_offset=64,
+        where="the attention of layer 0: rotary embedding runs inside each layer's self_attn (queries and "
+        "new keys), every layer from the decode pass at step N (token N + 1), layer 0 first",
+        layers="first",
     ),
     FaultInfo(
         name="lost-head",
@@ -114,6 +142,9 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         options=(ENV_LAYER, ENV_HEAD),
         default_layer=ALL_LAYERS,
         default_head=0,
+        where="the attention output of DIFFCHECK_FAULT_LAYER (`all`, the default: layer 0 first): one head's "
+        "slice of the attention output is zero from the decode pass at step N (token N + 1)",
+        layers="fault",
     ),
     FaultInfo(
         name="attn-noise",
@@ -127,6 +158,9 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         options=(ENV_LAYER, ENV_SCALE),
         default_layer=ALL_LAYERS,
         default_scale=0.1,
+        where="the attention output of DIFFCHECK_FAULT_LAYER (`all`, the default: layer 0 first): noise is "
+        "added to it from the decode pass at step N (token N + 1)",
+        layers="fault",
     ),
     # Written by the GPU lane (diffcheck/faults/gpu.py); refuses to install off CUDA.
     FaultInfo(
@@ -140,6 +174,11 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         fixed="a persistent copy per batch size, refreshed in every build",
         lane="cuda",
         takes_step=False,
+        where="the attention of layer 0 (the first that reads the copied seq_lens), from the first decode "
+        "pass (token 1), only where FULL decode graphs replay; in eager mode it changes nothing",
+        layers="first",
+        shows_at=1,
+        only_under="FULL decode CUDA graphs",
     ),
 )
 
@@ -185,6 +224,44 @@ class FaultSpec:
 
     def layer_matches(self, layer_index: int | None) -> bool:
         return self.layer is None or layer_index == self.layer
+
+
+@dataclass(frozen=True)
+class ExpectedSite:
+    """Where a fault first changes the model's tensors: `op` of decoder layer `layer`, at `step`
+    (localize's step: the forward pass that produced output token `step`)."""
+
+    layer: int
+    op: str
+    step: int
+    why: str = ""
+
+    @property
+    def site(self) -> str:
+        return f"layers.{self.layer}.{self.op}"
+
+
+def layer_selectable(info: FaultInfo) -> bool:
+    """True for faults a case places in one layer (DIFFCHECK_FAULT_LAYER)."""
+    return ENV_LAYER in info.options
+
+
+def expected_site(spec: FaultSpec, *, full_decode_graphs: bool = False) -> ExpectedSite | None:
+    """The layer, op and step where `spec` first changes a tensor; None where it changes nothing
+    (a ``:fixed`` variant, or a fault that needs graphs the run does not replay).
+
+    From the catalogue's data only (`FaultInfo.acts_in`, `layers`, `shows_at`), never from a
+    localization: a per-layer fault acts in the layer its spec names (the first, 0, for `all`);
+    the others in the first layer, the first that reads what they corrupt. A fault from decode
+    step N first changes output token N + shows_at; one that takes no step acts from decode
+    step 0.
+    """
+    info = spec.info
+    if spec.fixed or (info.only_under is not None and not full_decode_graphs):
+        return None
+    layer = (spec.layer if spec.layer is not None else 0) if info.layers == "fault" else 0
+    start = spec.step if info.takes_step else 0
+    return ExpectedSite(layer=layer, op=info.acts_in, step=start + info.shows_at, why=info.where)
 
 
 def _int_option(env: Mapping[str, str], key: str, *, default: int | None, minimum: int | None) -> int | None:

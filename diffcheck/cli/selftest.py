@@ -11,19 +11,25 @@ from diffcheck.cli.common import goldens_option, output_option, suite_option
 Examples:
   diffcheck selftest                                        # every labelled case of the default suite
   diffcheck selftest --case E --case M --json reports/selftest.json
+  diffcheck selftest --localize                             # does localize name where each fault acts?
 """)
 @suite_option
 @goldens_option
 @click.option("--case", "case_ids", multiple=True, help="Only these labelled cases (repeatable).")
 @click.option("--strict", is_flag=True, help="WITHIN_BUDGET (a precision cost) counts as flagged too.")
+@click.option("--localize", "localize", is_flag=True,
+              help="Check `diffcheck localize` instead: each fault named at the layer, op and step its spec "
+                   "says (per-layer faults also at three other layers), each benign variant named nothing.")
 @output_option("--json", help="Write outcomes as JSON.")
 @click.pass_context
-def selftest(ctx, suite, goldens, case_ids, strict, json_path):
+def selftest(ctx, suite, goldens, case_ids, strict, localize, json_path):
     """Judge every labelled case (expect = ... in the case file); exit 1 if any expectation fails.
 
-    Missing reference goldens are recorded first. Cases tagged slow or gpu are left
-    out unless named with --case.
+    Missing reference goldens are recorded first (with --localize they must exist). Cases
+    tagged slow or gpu are left out unless named with --case.
     """
+    if localize:
+        return _selftest_localize(ctx, suite, goldens, case_ids, strict, json_path)
     import time
 
     from diffcheck import cases
@@ -66,3 +72,23 @@ def selftest(ctx, suite, goldens, case_ids, strict, json_path):
     write_reports(requested, SelftestReport(suite=s.name, outcomes=tuple(outcomes), confusion=st.confusion(outcomes),
                                             classes=st.CLASSES, seconds=time.perf_counter() - t0))
     return 1 if failed else 0
+
+
+def _selftest_localize(ctx, suite, goldens, case_ids, strict, json_path):
+    """`selftest --localize` (docs/localize.md): one row per labelled case and layer variant; exit 1 if any fails."""
+    from diffcheck import cases, workspace
+    from diffcheck.cli.common import outputs, write_reports
+    from diffcheck.core import progress
+    from diffcheck.core.errors import ConfigError
+    from diffcheck.workflows import selftest_localize as stl
+
+    if strict:
+        raise ConfigError("--strict: applies to verdicts; selftest --localize judges none (valid: leave it out)")
+    requested = outputs("selftest-localize", json=json_path)
+    s = cases.load_suite(suite)
+    root = workspace.goldens_root(goldens)
+    verbose = ctx.obj.get("verbose", False)
+    with progress.display(verbose=verbose) as shown:
+        report = stl.run(s, root=root, include=set(case_ids) or None, verbose=verbose, echo=shown.log)
+    write_reports(requested, report)
+    return 1 if report.failed else 0

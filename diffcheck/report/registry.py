@@ -46,6 +46,7 @@ KINDS = {
     "kernels": "a kernel check",
     "data": "this command's output",
     "localize": "a localize",
+    "selftest-localize": "a self-test of localize",
     "reduce": "a reduce",
 }
 _VERDICTS = ("comparison", "check", "matrix")  # kinds whose verdicts JUnit renders
@@ -74,6 +75,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "selftest": "selftest:render_terminal",
         "kernels": "kernels:render_terminal",
         "localize": "localize:render_terminal",
+        "selftest-localize": "selftest_localize:render_terminal",
         "reduce": "reduce:render_terminal",
     }, console=True),
     Format("json", "JSON", ".json", "--json", {
@@ -84,6 +86,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
         "selftest": "selftest:render_json",
         "kernels": "kernels:render_json",
         "localize": "localize:render_json",
+        "selftest-localize": "selftest_localize:render_json",
         "data": "json_report:render_data",
         "reduce": "reduce:render_json",
     }),

@@ -1,0 +1,75 @@
+"""`selftest --localize` on the real engine: a tiny suite (2 prompts, 10 tokens) with a lost head in
+layer 5 from decode step 3, run again by the workflow in layer 17, a benign batch variant and a
+compiled case. The rows say localize named layer 5's and layer 17's attention at step 4 (decode step 3
+produces output token 4, from the fault spec), nothing for the batch variant, and the compiled case
+is skipped with its reason; the reference and its floor were captured once for all rows.
+Five engine starts: J (golden and capture), J's restart replica, M5, M5.layer17, S1."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT
+from factories import write_suite
+
+pytestmark = pytest.mark.engine
+
+TOKENS = 10
+FAULT = {"DIFFCHECK_FAULT": "lost-head", "DIFFCHECK_FAULT_STEP": "3", "DIFFCHECK_FAULT_LAYER": "5"}
+PASS = {"not_verdict": ["DEGRADED", "GIBBERISH"]}
+CASES = {
+    "J": {"role": "reference", "description": "eager fp32 reference"},
+    "M5": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "lost head in layer 5",
+           "env": FAULT, "expect": {"verdict": "DEGRADED"}},
+    "S1": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "one sequence at a time",
+           "engine": {"max_num_seqs": 1}, "expect": PASS},
+    "O": {"inherits": "J", "role": "candidate", "references": ["J"], "description": "compiled",
+          "engine": {"enforce_eager": False}, "expect": PASS},
+}
+
+
+@pytest.fixture(scope="module")
+def selftested(tmp_path_factory):
+    from diffcheck import cases, workspace
+    from diffcheck.engines import session as sessionmod
+    from diffcheck.workflows import calibrate
+    from diffcheck.workflows import selftest_localize as stl
+
+    folder = tmp_path_factory.mktemp("stloc")
+    suite = cases.load_suite(write_suite(
+        folder, CASES, name="stloc", description="selftest --localize engine test",
+        prompts=ROOT / "cases" / "prompts" / "smoke-en.toml",
+        sampling={"max_tokens": TOKENS, "temperature": 0.7, "top_p": 0.95, "top_k": 20, "seed": 1234, "logprobs": 5},
+        engine={"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_gib": 1}))
+    root = folder / "goldens"
+    restart = tuple(p for p in calibrate.PERTURBATIONS if p.name == "restart")  # 2 prompts: batch3/5 = J's shape
+    lines: list[str] = []
+    with sessionmod.EngineSession(taps=True) as session:
+        golden = sessionmod.generate(suite.cases["J"], session=session, echo=lambda _: None)
+        workspace.store_golden(root, suite.cases["J"], golden)
+        report = stl.run(suite, root=root, layers=(17,), perturbations=restart, session=session, echo=lines.append)
+        still_open = set(session.engines)
+    for r in report.rows:  # what the run measured (pytest -s)
+        print(r.case_id, r.expected, "->", r.named, r.ok, r.note, {k: round(v, 1) for k, v in r.captured.items()})
+    return report, still_open, lines
+
+
+def test_the_rows_name_the_faulty_layers_and_nothing_for_the_benign_variant(selftested):
+    report, _, _ = selftested
+    rows = {r.case_id: r for r in report.rows}
+    assert list(rows) == ["M5", "M5.layer17", "S1", "O"]
+    assert (rows["M5"].expected, rows["M5"].named, rows["M5"].ok) == ("step 4, layers.5.self_attn",) * 2 + (True,)
+    assert (rows["M5.layer17"].expected, rows["M5.layer17"].named) == ("step 4, layers.17.self_attn",) * 2
+    assert rows["M5.layer17"].ok and rows["M5.layer17"].variant_of == "M5"
+    assert (rows["S1"].expected, rows["S1"].named, rows["S1"].ok, rows["S1"].step) == ("nothing", "nothing", True, 4)
+    assert rows["O"].ok is None and "torch.compile" in rows["O"].note
+    assert not report.failed and len(report.passed) == 3
+    assert all(r.steps == (0, 1, 2, 3, 4) for r in report.rows if r.ok is not None)
+
+
+def test_the_reference_and_its_floor_are_captured_once_and_candidates_closed(selftested):
+    report, still_open, lines = selftested
+    captured = [cid for r in report.rows for cid in r.captured]
+    assert sorted(captured) == sorted(["J", "J.floor-restart", "M5", "M5.layer17", "S1"])  # each once
+    assert still_open == {"J", "J.floor-restart"}  # every candidate's engine closed after its row
+    assert any(line.startswith("[1/3] M5") for line in lines) and any(line.startswith("[3/3] S1") for line in lines)
