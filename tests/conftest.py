@@ -91,3 +91,48 @@ def engine_pool(engine):
     pool = sessionmod.EngineSession()
     pool.engines["J"] = engine
     return pool
+
+
+# -- the order files run in: heaviest first ---------------------------------------------------------
+# `make test` runs files in two xdist workers (--dist loadfile), each worker taking the next file
+# when it has at most two tests left. xdist's default order is by number of tests, most first:
+# that puts the rule files (hundreds of millisecond tests) first and the real-engine files with
+# one to six tests each (minutes apiece) last, so the run ended with one worker on the last
+# engine files while the other had nothing left. Longest first instead (the classic longest-
+# processing-time order): the short files come last and fill in whichever worker ends first.
+# Serial seconds on the idle 2-core machine (--durations, the session notes of issue 25):
+# matrix bisect 256 + the interrupted matrix, engine kinds about 6 min (its docstring), reduce
+# 202 + 130, faults 262, localize 174, until-decided 182, story 169, test_engine 119. Files not
+# named here: those with engine-marked tests next, then the rest, each group by test count.
+HEAVIEST_FIRST = (
+    "test_matrix_engine.py", "test_engine_kinds.py", "test_reduce_engine.py", "test_faults_engine.py",
+    "test_localize_engine.py", "test_until_decided_engine.py", "test_story.py", "test_engine.py",
+    "test_pytest_plugin.py", "test_kill_anywhere.py", "test_selftest_engine.py", "test_calibrate_engine.py",
+    "test_golden_engine.py", "test_check_engine.py", "test_progress.py", "test_progress_engine.py",
+    "test_capture.py", "test_tp_engine.py", "test_bisect.py", "test_cli_errors.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist keeps the collection order below
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first: dict[str, int] = {}
+    count: dict[str, int] = {}
+    engine_files = set()
+    for i, item in enumerate(items):
+        name = item.path.name
+        first.setdefault(name, i)
+        count[name] = count.get(name, 0) + 1
+        if item.get_closest_marker("engine") is not None:
+            engine_files.add(name)
+
+    def rank(item):
+        name = item.path.name
+        if name in HEAVIEST_FIRST:
+            return (0, HEAVIEST_FIRST.index(name), first[name])
+        return (1 if name in engine_files else 2, -count[name], first[name])
+
+    items.sort(key=rank)  # stable: a file's tests keep their order and stay together
