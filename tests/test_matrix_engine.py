@@ -91,7 +91,7 @@ def sequential_matrix(tmp_path_factory):
         time.sleep(3)  # the engine is starting: Ctrl-C lands mid-case
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
     try:
-        rc_first = proc.wait(timeout=120)
+        rc_first = proc.wait(timeout=EVENTUALLY_S)  # a hang guard, as below
     except subprocess.TimeoutExpired:
         rc_first = None  # hung after Ctrl-C: the test fails on it
     reader.join(timeout=10)

@@ -100,7 +100,7 @@ def _interrupted(args, *, after: str):
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
     try:
-        rc = proc.wait(timeout=180)
+        rc = proc.wait(timeout=EVENTUALLY_S)  # a hang guard, as below
     except subprocess.TimeoutExpired:
         rc = None
     reader.join(timeout=10)
