@@ -147,13 +147,7 @@ class Taps:
             self.after_forward()
             return out
 
-        runner._model_forward = model_forward  # an instance attribute over the class's method
-        self._original_forward = original
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.runner.__dict__.pop("_model_forward", None)
+        runner._model_forward = model_forward  # an instance attribute over the class's method; kept for the engine's life
 
     # -- in the forward pass ---------------------------------------------------------------------
     def _capturing(self) -> bool:
