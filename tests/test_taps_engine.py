@@ -59,9 +59,12 @@ def _same(a, b):
     from diffcheck.judging.localize import relative_error
 
     assert a.norm.shape == b.norm.shape and np.isfinite(a.norm).all() and np.isfinite(b.norm).all()
-    np.testing.assert_allclose(a.norm, b.norm, rtol=1e-12, atol=0)
-    np.testing.assert_allclose(a.proj, b.proj, rtol=1e-10, atol=1e-12 * float(np.abs(b.proj).max()))
-    assert float(np.nanmax(relative_error(a, b))) < 1e-10
+    # Two forward passes of the CPU engine agree to fp32 rounding, not bitwise: under CI's load a fresh
+    # engine's first pass differed from later ones by 9.4e-7 relative. A read-back of the wrong row,
+    # position or site is off by O(1), so 1e-5 still catches every such slip.
+    np.testing.assert_allclose(a.norm, b.norm, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(a.proj, b.proj, rtol=1e-5, atol=1e-6 * float(np.abs(b.proj).max()))
+    assert float(np.nanmax(relative_error(a, b))) < 1e-5
 
 
 @pytest.mark.parametrize("cid", ["J", "JP"])

@@ -9,7 +9,6 @@ from diffcheck.cli.common import goldens_option, output_option, suite_option
 
 @click.command(name="selftest", epilog="""\b
 Examples:
-  diffcheck selftest                                        # every labelled case of the default suite
   diffcheck selftest --case E --case M --json reports/selftest.json
   diffcheck selftest --localize                             # does localize name where each fault acts?
 """)
