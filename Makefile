@@ -41,7 +41,7 @@ browser:
 
 test: model browser
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 compare: model
 	$(BIN)/diffcheck compare $(CASE) --suite $(SUITE) --html reports/$(CASE).html --json reports/$(CASE).json
