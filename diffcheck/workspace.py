@@ -347,10 +347,12 @@ def load_capture(path: Path, key: dict, steps: tuple[int, ...]):
                    graph_steps=tuple(t for t in meta.get("graph_steps", ()) if t in steps))
 
 
-def store_capture(path: Path, capture, key: dict, *, engine: dict | None = None) -> Path:
-    """Write `capture` (a `judging.localize.Capture`) with the key it was made under."""
+def store_capture(path: Path, capture, key: dict, *, engine: dict | None = None,
+                  hardware: dict | None = None) -> Path:
+    """Write `capture` (a `judging.localize.Capture`) with the key it was made under, and the engine
+    configuration and hardware it was made on (for whoever reads it later; not part of the key)."""
     meta = {"kind": "taps", "case_id": capture.case_id, "n_layers": capture.n_layers,
             "steps": list(capture.steps), "graph_steps": list(capture.graph_steps), "key": key,
-            "engine": engine or {}}
+            "engine": engine or {}, "hardware": hardware or {}}
     store.write_arrays(path, {"norm": capture.norm, "proj": capture.proj}, meta)
     return path

@@ -31,6 +31,7 @@ from diffcheck import workspace
 from diffcheck.core import progress
 from diffcheck.core.errors import ConfigError
 from diffcheck.engines import session as sessionmod
+from diffcheck.engines.base import hardware
 from diffcheck.judging import localize as L
 from diffcheck.report.localize import LocalizeReport
 
@@ -140,7 +141,8 @@ def localize(case, *, suite, root: Path, reference: str | None = None, step: int
                 captures[key] = taps.capture(engine, golden, steps,
                                              progress=progress.task(f"{which.id}: forced replay with taps"))
                 timings[which.id] = time.perf_counter() - t0
-                workspace.store_capture(path, captures[key], stored_key, engine=dataclasses.asdict(which.engine))
+                workspace.store_capture(path, captures[key], stored_key, engine=dataclasses.asdict(which.engine),
+                                        hardware=hardware())
             return captures[key]
 
         progress.stage(f"{case.id}: reference {ref_id}")
