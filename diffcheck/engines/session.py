@@ -76,15 +76,18 @@ class EngineSession:
 
     """
 
-    def __init__(self, *, verbose: bool = False, taps: bool = False):
+    def __init__(self, *, verbose: bool = False, taps: bool = False, exclusive: bool = False):
         self.verbose = verbose
         self.taps = taps  # engines opened with the per-layer taps (`diffcheck.engines.taps`)
+        self.exclusive = exclusive  # one engine at a time: a GPU holds one engine at vLLM's memory fraction
         self.engines: dict[str, Any] = {}
 
     def get(self, case, echo: Echo = print):
-        """The open engine of `case`, started on first use."""
+        """The open engine of `case`, started on first use (with `exclusive`, once the others are closed)."""
         if case.id not in self.engines:
-            echo(f"starting reference engine {case.id} (kept open for scoring)")
+            if self.exclusive:
+                self.close()
+            echo(f"starting engine {case.id}" + ("" if self.exclusive else " (kept open for this command)"))
             self.engines[case.id] = open_engine(case, verbose=self.verbose, taps=self.taps)
         return self.engines[case.id]
 

@@ -120,7 +120,9 @@ def localize(case, *, suite, root: Path, reference: str | None = None, step: int
 
     with contextlib.ExitStack() as stack:
         if session is None:
-            session = stack.enter_context(sessionmod.EngineSession(verbose=verbose, taps=True))
+            # one engine at a time: each is used once here, and on a GPU a second engine at vLLM's memory
+            # fraction does not start beside the first
+            session = stack.enter_context(sessionmod.EngineSession(verbose=verbose, taps=True, exclusive=True))
 
         def capture(which) -> L.Capture:
             which, note = tappable(which)
