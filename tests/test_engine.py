@@ -129,6 +129,8 @@ def test_partial_replay_from_t_star_matches_the_full_replay(engine, reference_ru
     assert np.max(np.abs(assembled.steps.logprob - full.steps.logprob)) < 1e-3
     assert np.array_equal(assembled.steps.topk_ids[:, 0], full.steps.topk_ids[:, 0])
     assert assembled.meta.source["replayed"] == [0] and assembled.meta.source["reused"] == [1]
+    # a clean engine's prefill at t gives what its decode step gave there: nothing to redo in full
+    assert replay.unreproduced(reference_run, todo, part) == {}
 
 
 def test_forced_replay_follows_an_improbable_path(engine, reference_run):

@@ -164,3 +164,51 @@ def test_a_stored_full_replay_serves_a_partial_request_not_the_other_way():
     part = replay.assemble(golden, candidate, todo, forced_rows_run(G[:2], todo.starts), reference_id="J",
                            mechanism="test")
     assert replay.serves(part, "partial") and not replay.serves(part, "full")
+
+
+# -- a bug that depends on the decode history: a partial replay must notice it does not reproduce it --
+
+CLOCK = 3  # the history-dependent model below goes wrong from its 3rd decode step after a prefill
+
+
+def clocked_rows(tokens, start: int) -> np.ndarray:
+    """An engine whose decode steps count from the last prefill (at `start`): rows from that clock's
+    step CLOCK on are another distribution. The rows along `tokens` from `start`."""
+    rows = model_rows(tokens)[start:]
+    for j in range(CLOCK, len(rows)):
+        rows[j] = np.roll(rows[j], 7)  # a different, still normalized distribution
+    return rows
+
+
+def clocked_run(paths, starts, **kw):
+    parts = [list(p)[s:] if s is not None else [] for p, s in zip(paths, starts)]
+    rows = [clocked_rows(p, s) if s is not None else np.zeros((0, V)) for p, s in zip(paths, starts)]
+    return make_run([np.asarray(p, np.int64) for p in parts], distributions=rows, k=K, prompt_token_ids=PROMPT, **kw)
+
+
+def test_a_partial_replay_that_does_not_reproduce_the_generation_is_redone_from_step_0():
+    golden = generate_run(G)
+    candidate = clocked_run(C, [0] * len(C), role="candidate", case_id="O")  # generated from step 0
+    todo = replay.plan(golden, candidate, "partial")
+    assert todo.starts == (None, 5, None, 4, None, 0)
+    part = clocked_run(G, todo.starts, kind="forced", role="candidate", case_id="O",
+                       source={"reference": "J", "mechanism": "test"}, timings={"force_s": 1.0, "force_tokens": 22})
+    # seq 1: generated at t*=5 on decode clock 5 (wrong rows), replayed at 5 on clock 0 (right rows): noticed.
+    # seq 3 stopped at 4 (no generate row at t*), seq 5 replays from step 0 like its generation: not redone.
+    redo = replay.unreproduced(candidate, todo, part)
+    assert list(redo) == [1] and redo[1] > replay.REPRODUCE_KL
+    full = clocked_run(G, [None, 0, None, None, None, None], kind="forced", role="candidate", case_id="O",
+                       source={"reference": "J", "mechanism": "test"}, timings={"force_s": 2.0, "force_tokens": 12})
+    todo2, part2 = replay.with_full(todo, part, full, redo)
+    assert todo2.starts == (None, 0, None, 4, None, 0)
+    got = replay.assemble(golden, candidate, todo2, part2, reference_id="J", mechanism="test")
+    # the oracle: seq 1 is the engine's rows along the golden from step 0, the others as the partial replay had them
+    assert np.array_equal(got.sequence(1).topk_logprobs, full.sequence(1).topk_logprobs)
+    assert np.array_equal(got.sequence(3).topk_logprobs[4:], part.sequence(3).topk_logprobs)
+    assert np.array_equal(got.sequence(5).topk_logprobs, part.sequence(5).topk_logprobs)
+    assert got.meta.source["replayed_full"] == [{"seq": 1, "from_step": 5, "kl": round(redo[1], 6)}]
+    assert got.meta.timings["force_s"] == 3.0 and got.meta.timings["force_tokens"] == 34
+    # an engine without the history dependence: its partial replay reproduces the generation, nothing is redone
+    clean_part = forced_rows_run(G, todo.starts)
+    assert replay.unreproduced(generate_run(C, role="candidate", case_id="O"), todo, clean_part) == {}
+    assert replay.unreproduced(candidate, replay.plan(golden, candidate, "full"), part) == {}

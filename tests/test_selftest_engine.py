@@ -38,6 +38,15 @@ def test_short_selftest(tmp_path, smoke_suite, engine_pool):
                 if list(cand.sequence(i).token_id[: golden.sequences[i].n_tokens]) == list(golden.sequence(i).token_id)]
         assert source["replay"] == mode, (cid, source)
         assert source["reused"] == ([] if mode == "full" else same), (cid, source)
+    # E asked for a partial replay: its prefill at t* restarts the fault's decode-step clock, so the
+    # replayed row at t* is not what E generated there; noticed, and those sequences replayed in full
+    again = comparemod.compare(smoke_suite, "E", root=tmp_path, session=engine_pool, echo=lambda m: None,
+                               replay="partial", force=True)
+    assert again.verdict is Verdict.GIBBERISH
+    source = store.read_run(store.run_path(tmp_path, "smoke", "E", kind="forced", reference="J")).meta.source
+    assert source["replay"] == "partial" and source["replayed_full"], source
+    assert {r["seq"] for r in source["replayed_full"]} <= set(source["replayed"]), source
+    assert all(source["replay_from"][r["seq"]] == 0 and r["from_step"] >= 8 for r in source["replayed_full"])
     # the recorded runs can be re-judged offline, without an engine
     run_file = store.run_path(tmp_path, "smoke", "E", role="candidate")
     offline = comparemod.compare(smoke_suite, "E", root=tmp_path, run_file=run_file, echo=lambda m: None)

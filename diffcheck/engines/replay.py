@@ -22,12 +22,21 @@ when the decode path at t* matters (`mode_for`: a CLI option, the case tag
 restarts). Either way the run records in ``meta.source`` which sequences were
 replayed (and from which step) and which were reused.
 
+A partial replay must reproduce the generation where both saw the same context: at t* the
+candidate's generate row and its replayed row are the same engine on the same tokens, one
+through the decode path, one through a prefill. Where they disagree by more than
+`REPRODUCE_KL` (`unreproduced`), the bug depends on the decode history, not on the context
+alone (a fault that counts decode steps, state a prefill resets), and the partial replay
+would hide it: that sequence is replayed again from step 0 (`with_full`), and
+``meta.source["replayed_full"]`` says which and why.
+
 Pure: numpy and diffcheck's types; the engine side is `VllmOffline.force(starts=...)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +46,12 @@ from diffcheck.core.types import Run, SequenceInfo, Steps
 
 MODES = ("partial", "full")
 FULL_TAG = "replay-full"  # a case tagged so always gets full replays
+# The most KL (nats, top-k estimate) by which a partial replay's row at t* may differ from the
+# generation's own row at t* (same engine, same context) before the sequence is replayed in
+# full. fp32 CPU gives 0 or ~1e-6; the H200 recordings gave 0 for partial replays and up to
+# 1.3e-3 between a full replay and the generation of a clean eager run (other batch shapes).
+# Too low only costs a replay; too high hides a history-dependent bug behind the prefill.
+REPRODUCE_KL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,54 @@ def assemble(golden: Run, candidate: Run | None, replay: ReplayPlan, replayed: R
     return Run(meta=dataclasses.replace(meta, kind="forced", source=source), sequences=tuple(seqs), steps=steps)
 
 
+def unreproduced(candidate: Run, replay: ReplayPlan, replayed: Run | None) -> dict[int, float]:
+    """{sequence: KL} of the partially replayed sequences whose row at their t* (a prefill)
+    differs from the candidate's own generate row at t* (a decode step, same context) by
+    more than `REPRODUCE_KL`: KL(generate || replay), top-k estimate."""
+    from diffcheck.judging.kl_estimator import topk_kl
+
+    out: dict[int, float] = {}
+    if replayed is None or replay.mode != "partial":
+        return out
+    for i, start in enumerate(replay.starts):
+        if not start:  # not replayed, or replayed from step 0 (a prefill on both sides)
+            continue
+        own, again = candidate.sequence(i), replayed.sequence(i)
+        if len(own) <= start or len(again) == 0:
+            continue  # the candidate ended at t*: no generate row there
+        kl = float(topk_kl(own.topk_ids[start:start + 1], own.topk_logprobs[start:start + 1],
+                           again.topk_ids[:1], again.topk_logprobs[:1])[0])
+        if not kl <= REPRODUCE_KL:  # NaN counts as a disagreement
+            out[i] = kl
+    return out
+
+
+def with_full(replay: ReplayPlan, replayed: Run, full: Run, which: Mapping[int, float]) -> tuple[ReplayPlan, Run]:
+    """`replay` and its `replayed` run with the sequences in `which` taken from `full`, a
+    replay of exactly those from step 0; ``meta.source["replayed_full"]`` records them."""
+    starts = tuple(0 if i in which else s for i, s in enumerate(replay.starts))
+    seqs = tuple(full.sequences[i] if i in which else replayed.sequences[i] for i in range(len(starts)))
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in ("seq", "step", "token_id", "logprob", "topk_ids",
+                                                            "topk_logprobs")}
+    for i in range(len(starts)):
+        run = full if i in which else replayed
+        off = run.offsets()
+        a, b = int(off[i]), int(off[i + 1])
+        for column in parts:
+            parts[column].append(np.asarray(getattr(run.steps, column)[a:b]))
+    k = replayed.steps.k
+    steps = Steps(seq=_cat(parts["seq"], (0,), np.int32), step=_cat(parts["step"], (0,), np.int32),
+                  token_id=_cat(parts["token_id"], (0,), np.int32), logprob=_cat(parts["logprob"], (0,), np.float32),
+                  topk_ids=_cat(parts["topk_ids"], (0, k), np.int32),
+                  topk_logprobs=_cat(parts["topk_logprobs"], (0, k), np.float32))
+    t = {key: (replayed.meta.timings or {}).get(key, 0) + (full.meta.timings or {}).get(key, 0)
+         for key in ("force_s", "force_tokens")}
+    source = {**replayed.meta.source, "replayed_full": [
+        {"seq": i, "from_step": replay.starts[i], "kl": round(kl, 6)} for i, kl in sorted(which.items())]}
+    meta = dataclasses.replace(replayed.meta, timings={**(replayed.meta.timings or {}), **t}, source=source)
+    return dataclasses.replace(replay, starts=starts), Run(meta=meta, sequences=seqs, steps=steps)
+
+
 def _cat(arrays: list[np.ndarray], empty_shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(empty_shape, dtype)
 
@@ -197,5 +260,5 @@ def serves(run: Run, mode: str) -> bool:
     return stored == mode or (mode == "partial" and stored == "full")
 
 
-__all__ = ["MODES", "FULL_TAG", "ReplayPlan", "mode_for", "plan", "assemble", "shared_prefix", "forced_meta_mode",
-           "serves"]
+__all__ = ["MODES", "FULL_TAG", "REPRODUCE_KL", "ReplayPlan", "mode_for", "plan", "assemble", "shared_prefix",
+           "unreproduced", "with_full", "forced_meta_mode", "serves"]

@@ -157,7 +157,8 @@ def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, 
     whose sampled tokens equal the golden's has walked the golden's path already, and its
     forced rows are its own generate rows (reused); a sequence that diverged at t* is
     replayed from t* only (``mode="partial"``), or every sequence from step 0
-    (``mode="full"``). Writes nothing. With `session`, its engine of this configuration
+    (``mode="full"``); a partial replay that does not reproduce the generation at t* is
+    redone from step 0 for that sequence (`replay.unreproduced`). Writes nothing. With `session`, its engine of this configuration
     (`EngineSession.rebound`) is used and left open.
     """
     import contextlib
@@ -180,6 +181,14 @@ def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, 
                  + (f"; full because {why}" if mode == "full" and why != "requested" else "") + ")")
             part = engine.force(golden, starts=todo.starts, progress=progress.task(
                 f"{case.id}: forced replay along {ref_id}")) if todo.replayed else None
+            redo = replaymod.unreproduced(cand, todo, part)
+            if redo:  # the prefill at t* did not give what the decode step gave: the history matters
+                echo(f"{case.id}: the partial replay along {ref_id} does not reproduce the generation at t* of "
+                     f"sequence(s) {', '.join(f'{i} (KL {kl:.2g})' for i, kl in sorted(redo.items()))}; "
+                     "replaying them from step 0")
+                full = engine.force(golden, starts=[0 if i in redo else None for i in range(len(todo.starts))],
+                                    progress=progress.task(f"{case.id}: full replay along {ref_id}"))
+                todo, part = replaymod.with_full(todo, part, full, redo)
             run = replaymod.assemble(golden, cand, todo, part, reference_id=ref_id, mechanism=engine.mechanism)
             forced[ref_id] = with_config(run, case)
         if session is None:

@@ -79,6 +79,7 @@ def forced_speed(forced: Run) -> dict[str, Any]:
         "forced_tokens_per_s": _rate(produced, t.get("force_s")),
         "replayed": list(src.get("replayed") or []),
         "reused": list(src.get("reused") or []),
+        "replayed_full": list(src.get("replayed_full") or []),
     }
 
 
@@ -120,6 +121,9 @@ def speed_lines(summary: Mapping[str, Any] | None) -> list[str]:
             elif f["force_s"] == 0.0:
                 lines.append(f"  forced along {f['reference']} ({f['replay']}): nothing to replay, "
                              f"{f['path_steps']} steps from its own generation")
+            for r in f.get("replayed_full", ()):
+                lines.append(f"  sequence {r['seq']} replayed from step 0: its replay from t*={r['from_step']} did not "
+                             f"reproduce the generation there (KL {r['kl']:.2g})")
     for r in summary["ratios"]:
         if r["decode_speedup"] is not None:
             hw = "" if r["same_hardware"] else " (different hardware: not comparable)"
