@@ -106,7 +106,7 @@ def engine_pool(engine):
 # named here: those with engine-marked tests next, then the rest, each group by test count.
 HEAVIEST_FIRST = (
     "test_matrix_engine.py", "test_engine_kinds.py", "test_reduce_engine.py", "test_faults_engine.py",
-    "test_localize_engine.py", "test_until_decided_engine.py", "test_story.py", "test_engine.py",
+    "test_selftest_localize_engine.py", "test_until_decided_engine.py", "test_story.py", "test_engine.py",
     "test_pytest_plugin.py", "test_kill_anywhere.py", "test_selftest_engine.py", "test_calibrate_engine.py",
     "test_golden_engine.py", "test_check_engine.py", "test_progress.py", "test_progress_engine.py",
     "test_capture.py", "test_tp_engine.py", "test_bisect.py", "test_cli_errors.py",
