@@ -174,16 +174,17 @@ def test_the_script_imports_no_diffcheck_and_exits_1_on_the_candidate_0_on_the_r
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "diffcheck" not in imported and "vllm" in imported
+    # Both runs put each side's vLLM engine core in the side's own process (vLLM's own variable; the
+    # script passes the environment on to its sides): one vLLM import per side instead of two, ~15 s
+    # instead of ~45 s a side on the 2-core machine. Otherwise the script runs as a user runs it.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFCHECK", "PYTHONPATH"))}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     bug = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
                          cwd=reduced["out"])
     assert bug.returncode == 1, bug.stdout + bug.stderr[-3000:]
     assert "THE BUG SHOWS" in bug.stdout and "<- t*" in bug.stdout
-    # The control runs each side with vLLM's engine core and worker in the side's own process (vLLM's own
-    # variable; the script passes the environment on to its sides): one vLLM import per side instead of
-    # three, ~15 s instead of ~45 s a side on the 2-core machine. The bug run above is run as a user runs it.
     control = subprocess.run([sys.executable, str(script), "--candidate", "reference"], capture_output=True, text=True,
-                             env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=600, cwd=reduced["out"])
+                             env=env, timeout=600, cwd=reduced["out"])
     assert control.returncode == 0, control.stdout + control.stderr[-3000:]
     assert "no bug: exit 0" in control.stdout
 
