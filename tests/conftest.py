@@ -102,7 +102,7 @@ def engine_pool(engine):
 # processing-time order): the short files come last and fill in whichever worker ends first.
 # Serial seconds on the idle 2-core machine (--durations, the session notes of issue 25):
 # matrix bisect 256 + the interrupted matrix, engine kinds about 6 min (its docstring), reduce
-# 202 + 130, faults 262, localize 174, until-decided 182, story 169, test_engine 119. Files not
+# 202 + 130, faults 262, (selftest-)localize 136, until-decided 182, story 169, test_engine 119. Files not
 # named here: those with engine-marked tests next, then the rest, each group by test count.
 HEAVIEST_FIRST = (
     "test_matrix_engine.py", "test_engine_kinds.py", "test_reduce_engine.py", "test_faults_engine.py",

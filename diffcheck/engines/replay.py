@@ -30,7 +30,7 @@ alone (a fault that counts decode steps, state a prefill resets), and the partia
 would hide it: that sequence is replayed again from step 0 (`with_full`), and
 ``meta.source["replayed_full"]`` says which and why.
 
-Pure: numpy and diffcheck's types; the engine side is `VllmOffline.force(starts=...)`.
+Pure: numpy, diffcheck's types and its top-k KL; the engine side is `VllmOffline.force(starts=...)`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ MODES = ("partial", "full")
 FULL_TAG = "replay-full"  # a case tagged so always gets full replays
 # The most KL (nats, top-k estimate) by which a partial replay's row at t* may differ from the
 # generation's own row at t* (same engine, same context) before the sequence is replayed in
-# full. fp32 CPU gives 0 or ~1e-6; the H200 recordings gave 0 for partial replays and up to
-# 1.3e-3 between a full replay and the generation of a clean eager run (other batch shapes).
+# full. fp32 CPU gives 0 or ~1e-6; the H200 recordings gave 0 for partial replays, and up to
+# 1.3e-3 between a full replay and the generation of benign runs (L: graphs without compile;
+# HE: eager), whose replay batches differ from their generation's.
 # Too low only costs a replay; too high hides a history-dependent bug behind the prefill.
 REPRODUCE_KL = 1e-3
 

@@ -158,8 +158,8 @@ def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, 
     forced rows are its own generate rows (reused); a sequence that diverged at t* is
     replayed from t* only (``mode="partial"``), or every sequence from step 0
     (``mode="full"``); a partial replay that does not reproduce the generation at t* is
-    redone from step 0 for that sequence (`replay.unreproduced`). Writes nothing. With `session`, its engine of this configuration
-    (`EngineSession.rebound`) is used and left open.
+    redone from step 0 for that sequence (`replay.unreproduced`). Writes nothing. With
+    `session`, its engine of this configuration (`EngineSession.rebound`) is used and left open.
     """
     import contextlib
 
