@@ -66,7 +66,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "diffcheck.cli", "reduce", cid, "--suite", args.suite, "--out",
                str(args.out / cid), "--json", str(doc_path)]
-        print("$", " ".join(cmd[2:]), flush=True)
+        print("$ diffcheck", " ".join(cmd[3:]), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         if not doc_path.exists():
@@ -74,7 +74,7 @@ def main() -> int:
             rows.append({"case": cid, "label": label, "error": f"exit {proc.returncode}", "seconds": seconds})
             continue
         doc = json.loads(doc_path.read_text())
-        script = Path(doc["files"]["script"])
+        script = Path(doc["files"]["script"]).resolve()
         bug_rc, bug_s = _script(script)
         ref_rc, ref_s = _script(script, "--candidate", "reference")
         probes = doc["probes"]
