@@ -48,10 +48,9 @@ MODES = ("partial", "full")
 FULL_TAG = "replay-full"  # a case tagged so always gets full replays
 # The most KL (nats, top-k estimate) by which a partial replay's row at t* may differ from the
 # generation's own row at t* (same engine, same context) before the sequence is replayed in
-# full. fp32 CPU gives 0 or ~1e-6; the H200 recordings gave 0 for partial replays, and up to
-# 1.3e-3 between a full replay and the generation of benign runs (L: graphs without compile;
-# HE: eager), whose replay batches differ from their generation's.
-# Too low only costs a replay; too high hides a history-dependent bug behind the prefill.
+# full. The clean fp32 CPU engine stays below it (tests/test_engine.py); a step-counting fault
+# goes far above it (tests/test_selftest_engine.py). Too low only costs a replay; too high
+# hides a history-dependent bug behind the prefill.
 REPRODUCE_KL = 1e-3
 
 
