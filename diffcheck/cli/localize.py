@@ -29,7 +29,7 @@ def localize(ctx, case_id, suite, goldens, reference, step, around, json_path, h
     up to the onset step, capture per decoder layer and op (input layernorm, attention, post-attention
     layernorm, MLP, the residual stream) a norm and a 64-number fingerprint at steps T-K..T inside
     the engine, and name the first (step, layer, op) whose relative error leaves its own floor,
-    and whether it inherited a bad input. Eager vLLM engines only (docs/localize.md).
+    and whether it inherited a bad input. vLLM offline engines, eager or under CUDA graphs (docs/localize.md).
     """
     from diffcheck import cases, workspace
     from diffcheck.cli.common import outputs, write_reports
