@@ -504,6 +504,19 @@ def test_second_writer_in_process_is_locked_out(golden):
     assert store.write_run(path, run)  # released
 
 
+def test_a_lock_left_before_the_manifest_named_its_file_goes_with_the_next_write(golden):
+    # A writer killed between taking k.parquet's lock and its first manifest update leaves
+    # k.parquet.lock for a file the manifest never heard of (test_kill_anywhere saw it under load).
+    run, path, _ = golden
+    folder = path.parent
+    (folder / "k.parquet.lock").write_text("999999\n")
+    with store._flock(folder / "live.parquet.lock", blocking=False, target=folder / "live.parquet"):
+        store.write_run(folder / "other.parquet", run)  # meanwhile a live first write holds its own lock
+        assert (folder / "live.parquet.lock").exists()
+    assert sorted(p.name for p in folder.glob("*.lock")) == []
+    assert "k.parquet" not in json.loads((folder / "MANIFEST.json").read_text())
+
+
 def test_text_with_lone_surrogate_round_trips(tmp_path):
     run = make_run((2,), text="broken \ud800 decode")
     path = tmp_path / "S.parquet"

@@ -237,16 +237,18 @@ _TEMP = re.compile(r"\.(?P<name>.+)\.\d+\.tmp\Z")  # manifest.atomic_write's tem
 
 
 def _sweep(folder: Path, listed) -> None:
-    """Lock and temp files that killed writers left, of files the manifest lists.
+    """Lock and temp files that killed writers left.
 
     Called under the manifest lock. Each file's leftovers are removed while holding its lock
     (non-blocking: a live writer of that file keeps its own), so an in-flight temp file is
-    never touched.
+    never touched. Every unheld lock file goes, listed or not: a writer killed after taking its
+    file's lock and before the manifest named the file left one (seen under load); temp files
+    exist only after the manifest names their file.
     """
     stale: dict[str, list[Path]] = {}
     with os.scandir(folder) as it:
         for e in it:
-            if e.name.endswith(".lock") and e.name[:-len(".lock")] in listed:
+            if e.name.endswith(".lock") and e.name != f"{MANIFEST}.lock":
                 stale.setdefault(e.name[:-len(".lock")], [])
             elif (m := _TEMP.match(e.name)) and m["name"] in listed:
                 stale.setdefault(m["name"], []).append(folder / e.name)
