@@ -1,7 +1,9 @@
 """diffcheck's vLLM general plugin: the faults, then plugin modules named in the environment.
 
 vLLM calls `register()` in every process it starts (API process, engine core,
-workers) through the ``vllm.general_plugins`` entry point. It first registers
+workers) through the ``vllm.general_plugins`` entry point. In an engine process
+diffcheck started, it first makes that process end with its parent
+(`diffcheck.core.lifeline`). It then registers
 diffcheck's own faults (a no-op unless ``DIFFCHECK_FAULT`` is set), then imports
 every module named in ``DIFFCHECK_PLUGIN_MODULES="mod1,mod2"`` and calls its
 ``register()``, in order, once per process.
@@ -38,7 +40,9 @@ def module_names(value: str | None = None) -> list[str]:
 def register() -> None:
     """Entry point of group ``vllm.general_plugins``."""
     from diffcheck import faults
+    from diffcheck.core import lifeline
 
+    lifeline.bind_to_parent()  # an engine process diffcheck started ends with its parent
     faults.register()
     for name in module_names():
         if name in _registered:

@@ -14,16 +14,18 @@ no lock file beside the goldens once the next write is done; concurrent writers 
 
 Without an engine: two processes writing into one folder at once, and a writer killed at
 random moments of its writes. With the engine (marker ``engine``): ``diffcheck golden
-record``, ``diffcheck calibrate`` and ``diffcheck matrix`` on a tiny suite, each killed (its
-whole process group) at seeded random moments within the measured duration of an unkilled
-run; after each kill ``diffcheck golden verify`` passes and the folder is `consistent`,
-and a run after the kills finishes without repeating a run that had finished.
+record`` SIGKILLed alone (not its process group, as the OOM killer or ``kill -9`` would)
+while its engine, whose engine core and worker are processes of their own, generates:
+none of those processes is left, and the folder is `consistent`. The matrix, reduce and
+bisect tests interrupt the real engine with Ctrl-C (``test_matrix_engine.py``,
+``test_reduce_engine.py``, ``test_bisect.py``).
 
 Every trial's seed is printed (``pytest -s`` or ``-rP`` shows it) and named in any failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -197,3 +199,50 @@ def test_a_writer_killed_at_random_moments_leaves_a_consistent_folder(tmp_path):
     store.write_run(folder / "after.parquet", make_run(lengths=(3,), case_id="after"))
     assert leftovers(folder) == [], f"seed {SEED}: left after the next write: {leftovers(folder)}"
     assert all(r.ok for r in store.verify_folder(folder))
+
+
+# -- the engine's own processes end with a SIGKILLed diffcheck -----------------------------------------
+
+EVENTUALLY_S = 300  # bounds a wait for processes that must end (never a measure of speed)
+
+
+@pytest.mark.engine
+def test_a_sigkilled_diffcheck_leaves_no_engine_process(tmp_path):
+    """vLLM's engine core does not watch its parent: before diffcheck's engine processes died with
+    it (diffcheck.core.lifeline), this left the engine core and its worker running under init."""
+    import psutil
+
+    from factories import write_suite
+
+    suite = write_suite(
+        tmp_path / "cases",
+        {"MP": {"role": "reference", "description": "engine core and worker in processes of their own",
+                "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}},
+        name="lifeline", description="a SIGKILLed diffcheck", prompts=ROOT / "cases" / "prompts" / "smoke-en.toml",
+        sampling={"max_tokens": 400, "temperature": 0.7, "top_p": 0.95, "top_k": 20, "seed": 1, "logprobs": 20},
+        engine={"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_gib": 1})
+    goldens = tmp_path / "goldens"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, "-m", "diffcheck.cli", "golden", "record", "MP", "--suite", str(suite),
+                             "--goldens", str(goldens)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env={**env, "COLUMNS": "200"}, start_new_session=True)
+    said = []
+    try:
+        for line in proc.stdout:  # the engine is up and generating: its core and worker exist
+            said.append(line)
+            if "engine up in" in line:
+                break
+        engine_procs = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(p.name() for p in engine_procs)
+        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), (names, "".join(said))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        gone, alive = psutil.wait_procs(engine_procs, timeout=EVENTUALLY_S)
+        assert not alive, f"left after diffcheck was SIGKILLed: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
+    folder = goldens / "lifeline"
+    if (folder / store.MANIFEST).exists():
+        consistent(folder, {proc.pid}, "golden record SIGKILLed while generating")

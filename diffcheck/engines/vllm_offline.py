@@ -37,6 +37,7 @@ from diffcheck.engines.vllm_args import (core_here, effective_config, engine_env
 from diffcheck.engines.vllm_logs import captured_output, private_log_dir, read_log, root_cause
 from diffcheck.engines.vllm_outputs import concat, steps_from_logprobs
 from diffcheck.engines.vllm_progress import run_requests, tail_phases
+from diffcheck.core import lifeline
 from diffcheck.core.errors import EngineError
 from diffcheck.storage.identity import vllm_source_state
 from diffcheck.core.types import Run, SequenceInfo
@@ -182,7 +183,7 @@ class VllmOffline(Engine):
             on_cpu=on_cpu, case_env=self.env, kw=kw, process_patched=process_patched(), core_here=bool(_CORES_HERE))
         kw.update(layout_kw)
         self.llm_kwargs = {k: v for k, v in kw.items() if k != "logits_processors"}
-        self.llm_env = {**env, **layout_env, **self.env}
+        self.llm_env = {**env, **layout_env, **self.env, **lifeline.owner_env()}  # engine processes die with this one
         if self.taps and not on_cpu:  # hooks in place before vLLM captures its CUDA graphs (engines/taps.py)
             from diffcheck.engines.taps import plugin_env
 
