@@ -158,9 +158,10 @@ def test_the_resumed_matrix_writes_every_report(sequential_matrix):
 # -- Ray ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray cluster for the session, started the way `diffcheck matrix --ray` starts it."""
+    """One local Ray cluster for this module, started the way `diffcheck matrix --ray` starts it; it stops
+    with the module, not at the end of the session (its idle processes would take CPU from later tests)."""
     from diffcheck.workflows import matrix_ray
 
     try:
