@@ -67,7 +67,7 @@ Echo = Callable[[str], None]
 
 FORMAT = 1
 DEFAULT_VLLM_VERSION = "0.26.0"
-DEFAULT_PIECE_MIB = 56  # the device tool carries at most 64 MiB a call, the working tree included
+DEFAULT_PIECE_MIB = 48  # the device tool carries at most 64 MiB a call, the working tree (11 MiB) included
 ARCHIVE = "diffcheck-gpu-bundle.tar.xz"
 MANIFEST = "manifest.json"
 INSTALL_SCRIPT = "install.sh"
