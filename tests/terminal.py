@@ -6,6 +6,10 @@ the master side until the command exits, and keeps every chunk with its arrival 
 and carriage returns are dropped, and a chunk counts only when what it shows differs
 from the chunk before (a redraw of the same frame is no update). `gaps` are the
 seconds between consecutive updates.
+
+A command still running at `timeout` is sent SIGABRT first: with ``PYTHONFAULTHANDLER``
+set (always, here), Python writes every thread's stack to the pty before it dies, so a
+hang shows where it hung in the test's failure text; SIGKILL follows after 10 s.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -24,6 +29,7 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-
 
 def run_in_pty(cmd: list[str], *, env: dict | None = None, cwd=None, timeout: float = 600,
                cols: int = 120) -> tuple[int, list[tuple[float, bytes]]]:
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, cols, 0, 0))
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd, close_fds=True,
@@ -45,12 +51,28 @@ def run_in_pty(cmd: list[str], *, env: dict | None = None, cwd=None, timeout: fl
             elif proc.poll() is not None:
                 break
             if time.monotonic() - t0 > timeout:
-                proc.kill()
+                chunks += _stacks_of_hung(proc, master)
                 break
     finally:
         rc = proc.wait()
         os.close(master)
     return rc, chunks
+
+
+def _stacks_of_hung(proc: subprocess.Popen, master: int) -> list[tuple[float, bytes]]:
+    """SIGABRT (faulthandler's stack dump), what the pty shows for up to 10 s, then SIGKILL."""
+    got: list[tuple[float, bytes]] = [(0.0, b"\n[run_in_pty: timed out; SIGABRT for the stacks]\n")]
+    proc.send_signal(signal.SIGABRT)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and proc.poll() is None:
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            got.append((0.0, data))
+    proc.kill()
+    return got
 
 
 def visible(data: bytes) -> str:
