@@ -44,15 +44,24 @@ def goldens_copy(tmp_path_factory) -> Path:
 
 
 def judge(root: Path, cid: str, tmp_path: Path, *, generate_only: bool = False) -> tuple[int, dict]:
-    """Exit code and JSON report of the documented offline command."""
+    """Exit code and JSON report of the documented offline command; generate-only: the run alone, as a
+    run recorded elsewhere would come, judged with no engine (``score_missing=False``: the command
+    itself would score it on this machine's CPU, tests/test_cross_hardware_scoring.py)."""
     folder = root / SUITE.name
-    if generate_only:  # the run alone, as a run recorded elsewhere would come
+    if generate_only:
         folder = tmp_path / "alone" / SUITE.name
         folder.mkdir(parents=True)
         for path in (root / SUITE.name).glob("J.*"):  # the golden and its floor replicas
             if path.name.endswith(".parquet"):
                 shutil.copy(path, folder / path.name)
         shutil.copy(root / SUITE.name / f"{cid}.run.parquet", folder / f"{cid}.run.parquet")
+        from diffcheck.workflows import compare as comparemod
+
+        comparison = comparemod.compare(SUITE, cid, root=folder.parent, run_file=folder / f"{cid}.run.parquet",
+                                        echo=lambda _: None, score_missing=False)
+        assert not comparison.scored
+        seqs = [{"verdict": s.verdict.name, "onset": s.onset} for v in comparison.verdicts for s in v.sequences]
+        return exit_code(comparison.verdict), {"cases": [{"sequences": seqs}]}
     run_file = folder / f"{cid}.run.parquet"
     report = tmp_path / f"{cid}.json"
     code = main(["compare", cid, "--suite", str(ROOT / "cases" / "gpu-h200.toml"), "--goldens", str(folder.parent),

@@ -215,7 +215,9 @@ def _label(cid: str) -> str:
 
 def _rejudge(cid: str, tmp_path: Path, *, generate_only: bool) -> tuple[int, list[str]]:
     """`diffcheck compare CID --suite gpu-h200 --run FILE` on a copy of the recordings; generate-only:
-    the goldens and floor replicas and this run, no forced or scored file beside it."""
+    the goldens and floor replicas and this run, no forced or scored file beside it, judged with no
+    engine (``score_missing=False``: the command itself would score the run on this machine's CPU,
+    tests/test_cross_hardware_scoring.py)."""
     from diffcheck.cli import main
 
     folder = tmp_path / ("alone" if generate_only else "all") / GPU_SUITE.name
@@ -226,6 +228,13 @@ def _rejudge(cid: str, tmp_path: Path, *, generate_only: bool) -> tuple[int, lis
         if generate_only and (".forced-" in path.name or ".scored-" in path.name):
             continue
         shutil.copy(path, folder / path.name)
+    if generate_only:
+        from diffcheck.workflows import compare as comparemod
+
+        comparison = comparemod.compare(GPU_SUITE, cid, root=folder.parent, run_file=folder / f"{cid}.run.parquet",
+                                        echo=lambda _: None, score_missing=False)
+        assert not comparison.scored
+        return exit_code(comparison.verdict), [s.verdict.name for v in comparison.verdicts for s in v.sequences]
     report = tmp_path / f"{cid}-{generate_only}.json"
     code = main(["compare", cid, "--suite", str(GPU_SUITE_FILE), "--goldens", str(folder.parent),
                  "--run", str(folder / f"{cid}.run.parquet"), "--json", str(report)])

@@ -66,6 +66,25 @@ def with_config(run: Run, case) -> Run:
     return dataclasses.replace(run, meta=dataclasses.replace(run.meta, source=source))
 
 
+def on_this_cpu(case):
+    """`case`'s model as this machine's CPU runs it: vLLM, float32, eager (the CPU lane's reference
+    configuration), to score a run whose golden was recorded on a GPU this machine lacks
+    (cross-hardware scoring, `workflows.compare`).
+
+    Kept: the model and so its tokenizer, the prompts, the sampling (the top-k width a scored run
+    holds), ``max_model_len``, ``seed`` and ``trust_remote_code``. Everything else in the engine
+    table belongs to the GPU run and is dropped here, the one place it is: the attention backend,
+    CUDA graphs and torch.compile, the dtype, KV-cache dtype and quantization (the model scores in
+    float32; a checkpoint's own quantization is still read from its config), tensor parallelism,
+    batch shape and memory settings, ``extra`` constructor arguments, and the case's env (the GPU
+    image's workarounds; never a fault). The KV cache is the CPU lane's 1 GiB (``kv_cache_memory_gib``)."""
+    e = case.engine
+    engine = casesmod.EngineConfig(kind="vllm", dtype="float32", enforce_eager=True, max_model_len=e.max_model_len,
+                                   seed=e.seed, trust_remote_code=e.trust_remote_code, kv_cache_memory_gib=1,
+                                   enable_prefix_caching=False)
+    return dataclasses.replace(case, engine=engine, env={})
+
+
 def candidate_references(case, references: list[str]) -> list[str]:
     """The references a candidate is forced along: none where its engine cannot force."""
     return [] if "forced_replay" in registry.missing(case) else list(references)
@@ -82,14 +101,16 @@ class EngineSession:
         self.exclusive = exclusive  # one engine at a time: a GPU holds one engine at vLLM's memory fraction
         self.engines: dict[str, Any] = {}
 
-    def get(self, case, echo: Echo = print):
-        """The open engine of `case`, started on first use (with `exclusive`, once the others are closed)."""
-        if case.id not in self.engines:
+    def get(self, case, echo: Echo = print, *, key: str | None = None):
+        """The open engine of `case`, started on first use (with `exclusive`, once the others are closed).
+        `key`: what it is kept under, where it is not the case's own engine (default: the case id)."""
+        key = key or case.id
+        if key not in self.engines:
             if self.exclusive:
                 self.close()
-            echo(f"starting engine {case.id}" + ("" if self.exclusive else " (kept open for this command)"))
-            self.engines[case.id] = open_engine(case, verbose=self.verbose, taps=self.taps)
-        return self.engines[case.id]
+            echo(f"starting engine {key}" + ("" if self.exclusive else " (kept open for this command)"))
+            self.engines[key] = open_engine(case, verbose=self.verbose, taps=self.taps)
+        return self.engines[key]
 
     def rebound(self, case, echo: Echo = print):
         """An open engine built from `case`'s configuration (model, engine table, env) and bound to
@@ -205,11 +226,12 @@ def force(case, golden: Run, *, verbose: bool = False, label: str = "") -> Run:
 
 
 def score(ref_case, candidate: Run, *, session: EngineSession | None = None, verbose: bool = False,
-          echo: Echo = print) -> Run:
-    """The reference engine's logprobs of the candidate's tokens (prefill scoring). Writes nothing."""
+          echo: Echo = print, key: str | None = None) -> Run:
+    """The reference engine's logprobs of the candidate's tokens (prefill scoring). Writes nothing.
+    `key`: the engine's key in `session` (`EngineSession.get`)."""
     task = progress.task(f"{ref_case.id}: scoring {candidate.meta.case_id}'s text")
     if session is not None:
-        return session.get(ref_case, echo).score(candidate, progress=task)
+        return session.get(ref_case, echo, key=key).score(candidate, progress=task)
     echo(f"{candidate.meta.case_id}: starting reference engine {ref_case.id} to score the candidate's text")
     with open_engine(ref_case, verbose=verbose) as engine:
         scored = engine.score(candidate, progress=task)

@@ -83,6 +83,13 @@ def _sequence_verdicts(judge: Judge, *, fast: list[bool], layouts, exact: np.nda
     ref_nll_all, cand_nll_all = nll(reference.steps.logprob), nll(candidate.steps.logprob)
     scored_nll_all = nll(scored.steps.logprob) if scored is not None else None
     nll_means = {"ref_nll_reference_mean": (ref_nll_all, ref), "candidate_nll_mean": (cand_nll_all, cand)}
+    if judge.scored_reference is not None:
+        # The reference's own text as the scorer reads it: every reference NLL the scored run is
+        # set against (the CUSUM's baseline, the curves, the means) comes from the same engine;
+        # the golden's own logprobs stay beside them as ``ref_nll_reference_recorded_mean``.
+        nll_means["ref_nll_reference_recorded_mean"] = (ref_nll_all, ref)
+        ref_nll_all = nll(judge.scored_reference.steps.logprob)
+        nll_means["ref_nll_reference_mean"] = (ref_nll_all, ref)
     if scored is not None:
         nll_means["ref_nll_candidate_mean"] = (scored_nll_all, scored_layout)
     nll_columns = [(S.segment_sum(x, lay.off) / np.maximum(lay.lens, 1)).tolist() for x, lay in nll_means.values()]
@@ -135,6 +142,7 @@ def compare_runs(
     *,
     forced: Run | None = None,
     scored: Run | None = None,
+    scored_reference: Run | None = None,
     tolerances: Tolerances = Tolerances(),
     candidate_id: str = "",
     reference_id: str = "",
@@ -147,8 +155,15 @@ def compare_runs(
     """Judge every candidate sequence against its reference sequence.
 
     `forced`: the candidate teacher-forced along the reference's tokens; `scored`: the
-    reference's logprobs of the candidate's tokens. `token_text` renders a token id for
-    evidence (e.g. a tokenizer's decode); without it tokens show as ``#id``.
+    reference's logprobs of the candidate's tokens. `scored_reference`: the same scoring engine's
+    logprobs of the reference's own tokens, given when `scored` came from other hardware than the
+    reference run (`workflows.compare`: a GPU golden, scored on a CPU): the reference NLL that
+    `scored` is compared with (the CUSUM's baseline μ0, the NLL shown beside the candidate's, the
+    margin at t*) is then this run's, so no rule sets the NLL of one machine against another's.
+    The other rules that read `scored` use fixed thresholds, not a baseline (confident garbage:
+    >= `implausible_nll` nats, 6 by default); the floor decision reads neither run.
+    `token_text` renders a token id for evidence (e.g. a tokenizer's decode); without it tokens
+    show as ``#id``.
     ``text_metrics=False`` skips the seed's text metrics, which are per-character
     Python and can cost more than the whole numeric comparison: every
     `SequenceVerdict.quality` is then empty and the text-metric signal is off.
@@ -192,13 +207,21 @@ def compare_runs(
         _check_kind(scored, "scored", "scored")
         scored_layout = Layout.of(scored)
         check_follows(candidate, scored, cand, scored_layout, what="scored", against="candidate")
+    if scored_reference is not None:
+        if scored is None:
+            raise DataError("a scored reference run is the baseline of a scored candidate run; there is none")
+        _check_kind(scored_reference, "scored", "scored reference")
+        sref_layout = Layout.of(scored_reference)
+        check_follows(reference, scored_reference, ref, sref_layout, what="scored reference", against="reference")
+        if not np.array_equal(sref_layout.lens, ref.lens):
+            raise DataError("the scored reference run must score every step of the reference run")
     exact, close = baselines(reference, candidate, ref, cand, al, tol)
     # Text metrics only where they can matter: an identical sequence's text is the
     # reference's, so it cannot raise a text signal (reports fill those in for display).
     metrics = _text_metrics(candidate, al.t_star >= 0) if text_metrics else [{} for _ in candidate.sequences]
-    judge = Judge(reference=reference, candidate=candidate, scored=scored, layouts=(ref, cand, scored_layout),
-                   alignment=al, before=pre, forced_path=fpath, tol=tol, limits=lim, budget=budget, change=change,
-                   tests=tests.m, metrics=metrics, token_text=token_text)
+    judge = Judge(reference=reference, candidate=candidate, scored=scored, scored_reference=scored_reference,
+                  layouts=(ref, cand, scored_layout), alignment=al, before=pre, forced_path=fpath, tol=tol,
+                  limits=lim, budget=budget, change=change, tests=tests.m, metrics=metrics, token_text=token_text)
 
     # The case summary's percentiles partition every same-context step: run them on a
     # thread (numpy releases the GIL there) while this thread judges sequences.
@@ -241,7 +264,8 @@ def compare_runs(
                   "far_step_level": far_step_level(floor, lim.far, steps=far_steps), "far_steps": far_steps},
         "min_effect": tol.min_effect,
         "tests": tests.as_dict(tol.alpha),
-        "signals": {"forced": forced is not None, "scored": scored is not None, "floor": floor.measured},
+        "signals": {"forced": forced is not None, "scored": scored is not None, "floor": floor.measured,
+                    **({"scored_reference": True} if scored_reference is not None else {})},
         "spec_change": {k: list(v) for k, v in change.items()},
     }
     if budget is not None:

@@ -27,8 +27,10 @@ class Judge:
     """Shared state of one comparison; `sequence(i)` judges sequence i in full."""
 
     def __init__(self, *, reference, candidate, scored, layouts, alignment, before, forced_path, tol, limits,
-                 budget, change, tests, metrics, token_text):
+                 budget, change, tests, metrics, token_text, scored_reference=None):
         self.reference, self.candidate, self.scored = reference, candidate, scored
+        # the scorer's logprobs of the reference's own tokens (`classify.compare_runs`), same layout as `reference`
+        self.scored_reference = scored_reference
         self.alignment, self.before, self.forced_path, self.tol = alignment, before, forced_path, tol
         self.limits, self.budget, self.change, self.tests = limits, budget, change, tests
         self.metrics, self.token_text = metrics, token_text
@@ -62,6 +64,8 @@ class Judge:
         rank_r = ref_ids.index(ct) if ct in ref_ids else None  # candidate token in the reference's top-N
         rank_c = cand_ids.index(rt) if rt in cand_ids else None  # reference token in the candidate's top-N
         lp_ref = float(ref.logprob[rr])
+        if self.scored_reference is not None:  # the margin below sets two logprobs of the same engine apart
+            lp_ref = float(self.scored_reference.steps.logprob[rr])
         if self.scored is not None:  # exact: the reference scored this very token in this context
             lp_cand: float | None = float(self.scored.steps.logprob[int(self.scored_off[i]) + t])
         else:

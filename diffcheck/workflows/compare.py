@@ -4,10 +4,18 @@ The workflow: the ledger's identical run, or one engine start (generate, then fo
 replay along each golden: `diffcheck.engines.session`); the reference engine's scoring
 of a candidate that diverged; every file written by `diffcheck.workspace`; then the
 pure judge (`diffcheck.judging.classify`) against each reference's floor.
+
+Cross-hardware scoring: a recorded run (``--run``) whose golden was recorded on a GPU this
+machine lacks, with no scored file beside it, is scored by the reference's model on this
+machine's CPU in float32 (`sessionmod.on_this_cpu`), and so are the golden's own tokens: the
+judge reads the candidate's scored NLL against that baseline, never against the GPU's
+(`classify.compare_runs`, ``scored_reference``). Both scored runs say so in their meta
+(``source["cross_hardware"]``), and so do the output and the report's summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +42,9 @@ class Comparison:
     reused: tuple[str, ...] = ()  # what was reused instead of run again, for the output
     forced: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> forced run, where one exists
     scored: dict[str, Run] = dataclasses.field(default_factory=dict)  # reference id -> its scoring of the candidate
+    # reference id -> the same engine's scoring of the golden's own tokens, where the scoring came from
+    # other hardware than the golden (cross-hardware scoring): the baseline the scored NLL is judged against
+    scored_reference: dict[str, Run] = dataclasses.field(default_factory=dict)
     looks: int = 1  # the looks a sequential extension planned: each comparison's tests are counted times these
 
     @property
@@ -78,9 +89,10 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
 
 def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print,
                     session: sessionmod.EngineSession | None = None) -> Run:
-    """The reference engine's logprobs of the candidate's tokens (prefill scoring), cached by content."""
+    """The reference engine's logprobs of the candidate's tokens (prefill scoring), cached by content
+    (never a cross-hardware scoring: that one is judged only beside its baseline, `_stored_pair`)."""
     stored = workspace.stored_score(root, ref_case.id, candidate)
-    if stored is not None:
+    if stored is not None and CROSS_HARDWARE not in stored.meta.source:
         return stored
     scored = sessionmod.score(ref_case, candidate, session=session, verbose=verbose, echo=echo)
     return workspace.store_score(root, ref_case.id, candidate, scored)
@@ -90,7 +102,8 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             force: bool = False, echo: Echo = print, session: sessionmod.EngineSession | None = None,
             replay: str | None = None, own_golden: bool | None = None,
             view: Callable[[Run], Run] | None = None,
-            candidate_session: sessionmod.EngineSession | None = None, looks: int = 1) -> Comparison:
+            candidate_session: sessionmod.EngineSession | None = None, looks: int = 1,
+            score_missing: bool = True) -> Comparison:
     """Judge candidate `case_id` against each of its references' goldens and noise floors.
 
     `own_golden`: a reference case is also judged against its own stored golden (default:
@@ -101,8 +114,15 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
 
     `run_file`: judge that recorded run (and the forced/scored files beside it)
     instead of running the engine; a missing scored file is computed with the local
-    reference engine when the golden was recorded on hardware like this one, and the
-    signals the verdict had are always stated. Each comparison is corrected for its own tests
+    reference engine, and the signals the verdict had are always stated. Where the golden
+    was recorded on a GPU this machine lacks, that engine is the reference's model on this
+    machine's CPU in float32 (cross-hardware scoring: `_score_here`), which scores the
+    golden's own tokens too, as the baseline; the output and the report say where the
+    scoring came from. `session` then holds that engine too, under its own key, so the
+    comparisons of one command share one start. ``score_missing=False``: no engine at all; a
+    run without a scored file is judged without scoring (the output says so; a sequence whose
+    garbage only the text shows, with nothing before t* beyond the floor, is INCONCLUSIVE).
+    Each comparison is corrected for its own tests
     (`judging.decision.family`), whichever command asks.
     `replay`: the forced-replay mode (`run_candidate`; default partial).
     `view`: the candidate is judged against ``view(golden)`` of each reference (a probe of
@@ -122,28 +142,47 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     tolerances = classify.Tolerances.of_case(case)
     reused: list[str] = []
     failed: dict[str, str] = {}  # reference -> why its scoring engine failed: an ERROR, never judged without it
+    baselines: dict[str, Run] = {}  # reference -> its golden scored by the engine that scored the candidate
     if run_file is not None:
-        # Offline re-judging: only recorded files, never an engine.
+        # Offline re-judging: the recorded files; an engine only to score a run with no scored file beside it.
         candidate = store.read_run(Path(run_file))
         folder = Path(run_file).parent
         forced, scored = {}, {}
-        for r in references:
-            fp = store.run_path(folder.parent, folder.name, case.id, kind="forced", reference=r)
-            sp = store.run_path(folder.parent, folder.name, case.id, kind="scored", reference=r)
-            if fp.exists():
-                forced[r] = store.read_run(fp)
-            if sp.exists():
-                scored[r] = store.read_run(sp)
-            elif r != case.id and differs(goldens[r], candidate):
-                local = _local_engine_note(goldens[r])
-                if local is None:
-                    try:
+        with contextlib.ExitStack() as stack:
+            scorers = session
+            for r in references:
+                fp = store.run_path(folder.parent, folder.name, case.id, kind="forced", reference=r)
+                sp = store.run_path(folder.parent, folder.name, case.id, kind="scored", reference=r)
+                if fp.exists():
+                    forced[r] = store.read_run(fp)
+                beside = store.read_run(sp) if sp.exists() else None
+                if beside is not None and CROSS_HARDWARE not in beside.meta.source:
+                    scored[r] = beside  # recorded with the run
+                    continue
+                if r == case.id or not differs(goldens[r], candidate):
+                    continue
+                pair = _stored_pair(root, folder, r, candidate, goldens[r])
+                if pair is None and not score_missing:
+                    echo(f"{case.id}: no scored file beside {run_file}; judged without scoring (no engine asked for)")
+                    continue
+                gpu = _recorded_elsewhere(goldens[r]) if pair is None else None
+                try:
+                    if pair is not None:
+                        scored[r], baselines[r] = pair
+                    elif gpu is None:
                         scored[r] = score_candidate(casesmod.get_case(suite, r), candidate, root=root,
                                                     verbose=verbose, echo=echo, session=session)
-                    except EngineError as exc:
-                        failed[r] = exc.message
-                else:
-                    echo(f"{case.id}: no scored file beside {run_file} and {local}: judged without scoring")
+                    else:
+                        if scorers is None:
+                            scorers = stack.enter_context(sessionmod.EngineSession(verbose=verbose))
+                        scored[r], baselines[r] = _score_here(casesmod.get_case(suite, r), goldens[r], candidate,
+                                                              gpu=gpu, root=root, session=scorers, echo=echo)
+                except EngineError as exc:
+                    failed[r] = exc.message
+                    continue
+                if r in baselines:
+                    echo(f"{case.id} vs {r}: scoring from other hardware: {cross_hardware_note(scored[r], goldens[r])}"
+                         f"; the golden's own tokens scored there too are the baseline it is judged against")
     else:
         try:
             candidate, forced, reused = run_candidate(case, references, goldens, root=root, verbose=verbose,
@@ -169,10 +208,12 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
             continue
         verdicts.append(judge_reference(suite, case, r, golden=goldens[r], full_golden=full[r], candidate=candidate,
                                         forced=forced.get(r), scored=scored.get(r), tolerances=tolerances,
-                                        token_text=token_text, looks=looks, root=root, echo=echo))
+                                        token_text=token_text, looks=looks, root=root, echo=echo,
+                                        scored_reference=baselines.get(r)))
     workspace.set_verdict(root, candidate, Verdict.worst(v.verdict for v in verdicts))
     return Comparison(verdicts=tuple(verdicts), candidate=candidate, goldens=goldens, reused=tuple(reused),
-                      forced=dict(forced), scored=dict(scored), looks=max(int(looks), 1))
+                      forced=dict(forced), scored=dict(scored), looks=max(int(looks), 1),
+                      scored_reference=dict(baselines))
 
 
 def judged_references(case, own_golden: bool | None = None) -> list[str]:
@@ -201,27 +242,38 @@ def token_texts(case) -> Callable[[int], str] | None:
 
 def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candidate: Run, forced: Run | None,
                     scored: Run | None, tolerances, token_text, looks: int = 1, root: Path, echo: Echo = print,
-                    forced_reference: Run | None = None, quiet: bool = False):
+                    forced_reference: Run | None = None, quiet: bool = False, scored_reference: Run | None = None):
     """The candidate judged against reference `r`'s golden and floor (`classify.compare_runs`), with the
     config delta and the signals it lacked. `forced_reference`: the longer reference path `forced`
-    followed (a sequential extension); `quiet`: no lines about the floor and the signals."""
+    followed (a sequential extension); `quiet`: no lines about the floor and the signals.
+    `scored_reference`: the golden's own tokens scored by the engine that scored the candidate, on other
+    hardware than the golden's (cross-hardware scoring): the baseline of the scored NLL, and the
+    signals say where the scoring came from."""
     from diffcheck.judging import classify
 
     floor, notes = workspace.load_floor(root, suite.name, r, full_golden, candidate=candidate)
     lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
     if r == case.id:
         lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
+    elsewhere = cross_hardware_note(scored, golden) if scored is not None and scored_reference is not None else None
     if not quiet:
         for note in notes:
             echo(note)
+        scoring = "scoring" + (f" (cross-hardware: {elsewhere})" if elsewhere else "")
         signals = ["generate"] + [name for name, have in (("forced replay", forced is not None),
-                                                          ("scoring", scored is not None)) if have]
+                                                          (scoring, scored is not None)) if have]
         echo(f"{case.id} vs {r}: signals: {', '.join(signals + lacking)}; {floor.describe()}")
     v = classify.compare_runs(golden, candidate, forced=forced, scored=scored, tolerances=tolerances,
                               candidate_id=case.id, reference_id=r, token_text=token_text, floor=floor, looks=looks,
-                              forced_reference=forced_reference)
+                              forced_reference=forced_reference, scored_reference=scored_reference)
     delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
-    summary = {**v.summary, "signals": {**v.summary.get("signals", {}), "unavailable": lacking}}
+    signals = {**v.summary.get("signals", {}), "unavailable": lacking}
+    if elsewhere:
+        stamp = scored.meta.source[CROSS_HARDWARE]
+        signals["scoring"] = {"cross_hardware": True, "note": elsewhere, "golden_hardware": stamp["golden_hardware"],
+                              "scorer_hardware": _hardware_name(scored.meta.hardware), "dtype": stamp["dtype"],
+                              "baseline": "the golden's own tokens, scored by the same engine"}
+    summary = {**v.summary, "signals": signals}
     return dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary)
 
 
@@ -240,8 +292,14 @@ def _unavailable_signals(case, ref_case) -> list[str]:
     return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
 
 
-def _local_engine_note(golden: Run) -> str | None:
-    """Why the local engine cannot stand in for the golden's reference engine, or None if it can."""
+# -- cross-hardware scoring --------------------------------------------------------------------------
+
+CROSS_HARDWARE = "cross_hardware"  # the key of a scored run's meta.source that says it came from other hardware
+
+
+def _recorded_elsewhere(golden: Run) -> str | None:
+    """The GPU `golden` was recorded on, where this machine has none (its reference engine cannot run
+    here as recorded); None where it can."""
     gpu = golden.meta.hardware.get("gpu_name")
     if not gpu:
         return None
@@ -252,4 +310,100 @@ def _local_engine_note(golden: Run) -> str | None:
             return None
     except ImportError:
         pass
-    return f"the golden was recorded on {gpu} and this machine has no GPU"
+    return str(gpu)
+
+
+def _score_here(ref_case, golden: Run, candidate: Run, *, gpu: str, root: Path,
+                session: sessionmod.EngineSession, echo: Echo = print) -> tuple[Run, Run]:
+    """Cross-hardware scoring: reference `ref_case`'s model on this machine's CPU in float32
+    (`sessionmod.on_this_cpu`, one engine in `session`) scores the candidate's tokens and the golden's
+    own, each stamped with where it came from and stored like any scored run (`_store_here`).
+
+    The NLL of a text moves by hundredths of a nat per token between a GPU's bf16 and a CPU's
+    float32; garbage scores about 3 nats per token and text about 1, so the scoring still tells one
+    from the other. It does not carry finer decisions: the judge sets the scored NLL only against
+    the golden's NLL from this same engine (`classify.compare_runs`, ``scored_reference``), and the
+    floor decision never reads it. An engine failure is an EngineError (the comparison's ERROR)."""
+    r = ref_case.id
+    local = sessionmod.on_this_cpu(ref_case)
+    echo(f"{candidate.meta.case_id}: golden {r} was recorded on {gpu}, which this machine lacks: scoring the run "
+         f"and the golden's own tokens with {r}'s model on this machine's CPU (float32, eager)")
+    out = []
+    for run in (candidate, golden):
+        s = sessionmod.score(local, run, session=session, echo=echo, key=f"{r}/cpu-float32")
+        stamp = {"golden_hardware": gpu, "dtype": "float32", "scored": "golden" if run is golden else "candidate"}
+        s = dataclasses.replace(s, meta=dataclasses.replace(s.meta, source={**s.meta.source, CROSS_HARDWARE: stamp}))
+        out.append(_store_here(root, r, run, s, echo=echo))
+    return out[0], out[1]
+
+
+def _store_here(root: Path, r: str, run: Run, scored: Run, *, echo: Echo = print) -> Run:
+    """`workspace.store_score`, except over a stored scoring that did not come from other hardware (one
+    recorded with its run, e.g. on the GPU): that one is left as it is and this one kept in memory."""
+    path = workspace.scored_file(root, run.meta.suite, run.meta.case_id, r)
+    if path.exists():
+        try:
+            meta = store.read_meta(path)
+        except DiffcheckError:
+            meta = None
+        if meta is not None and CROSS_HARDWARE not in meta.source:
+            echo(f"{run.meta.case_id}: {path} holds a scoring made on {_hardware_name(meta.hardware)}: left as it "
+                 "is; this machine's scoring is used for this comparison only")
+            source = {**scored.meta.source, "scored_digest": store.content_digest(run)}
+            return dataclasses.replace(scored, meta=dataclasses.replace(scored.meta, source=source))
+    return workspace.store_score(root, r, run, scored)
+
+
+def _stored_pair(root: Path, folder: Path, r: str, candidate: Run, golden: Run) -> tuple[Run, Run] | None:
+    """A stored cross-hardware scoring of `candidate` and of `golden` by reference `r`'s model from one
+    engine (same model, hardware and dtype), beside the run or in the workspace; None where there is none."""
+    def found(run: Run) -> list[Run]:
+        out = []
+        paths = {store.run_path(folder.parent, folder.name, run.meta.case_id, kind="scored", reference=r),
+                 workspace.scored_file(root, run.meta.suite, run.meta.case_id, r)}
+        for path in sorted(p for p in paths if p.exists()):
+            try:
+                s = store.read_run(path)
+            except DiffcheckError:
+                continue
+            if CROSS_HARDWARE in s.meta.source and s.meta.source.get("scored_digest") == store.content_digest(run):
+                out.append(s)
+        return out
+
+    for c in found(candidate):
+        for g in found(golden):
+            if _scorer(c) == _scorer(g):
+                return c, g
+    return None
+
+
+def _scorer(run: Run) -> tuple:
+    """What a scored run's numbers depend on: the model, the hardware, the dtype."""
+    hw = run.meta.hardware
+    return (run.meta.model.get("digest"), hw.get("gpu_name"), hw.get("cpu_model"), hw.get("machine"),
+            run.meta.source.get(CROSS_HARDWARE, {}).get("dtype"))
+
+
+def _hardware_name(hw: dict) -> str:
+    return str(hw.get("gpu_name") or hw.get("cpu_model") or hw.get("machine") or "unknown hardware")
+
+
+def cross_hardware_note(scored: Run, golden: Run) -> str:
+    """Where a cross-hardware scoring came from, for the output and the report: e.g. "scored on this
+    machine's CPU (float32) for a golden recorded on NVIDIA H200"."""
+    from diffcheck.engines.base import hardware
+
+    stamp = scored.meta.source.get(CROSS_HARDWARE, {})
+    hw = scored.meta.hardware
+    if hw.get("gpu_name"):
+        where = str(hw["gpu_name"])
+    elif hw.get("cpu_model") and hw.get("cpu_model") == hardware().get("cpu_model"):
+        where = "this machine's CPU"
+    else:
+        where = f"a CPU ({_hardware_name(hw)})"
+    note = (f"scored on {where} ({stamp.get('dtype', 'float32')}) for a golden recorded on "
+            f"{stamp.get('golden_hardware') or _hardware_name(golden.meta.hardware)}")
+    here, there = scored.meta.model.get("digest"), golden.meta.model.get("digest")
+    if here and there and here != there:
+        note += f"; model digest {here[:12]} for the scoring, {there[:12]} in the golden"
+    return note
