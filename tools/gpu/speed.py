@@ -27,6 +27,14 @@ O3 at TP1 and TP3), one engine at a time:
     against a floor of one forced replica, the runs written), against a bare generate
     without logprobs timed right after it.
 
+Every timed generation starts from an empty prefix cache (``LLM.reset_prefix_cache``), as a
+fresh engine's first generation does: a re-generation that hits the cache prefills only part
+of each prompt, which moves bf16 numerics, so a candidate that is the reference's own
+configuration drifted from its own warm-up in every round (round 7, an H100) and the time to
+verdict measured a forced replay that a comparison of a fresh engine would not need.
+``--copies N`` runs the suite's prompts N times in each timed capture-overhead call (more
+tokens per call: the calls' own jitter, 10-25 % at 1024 tokens, weighs less).
+
 Best of the rounds is used. tokens/s counts generated tokens over the wall time of
 ``LLM.generate`` for the whole batch (4 prompts, <= 256 tokens each), prefill included;
 with ~150-token prompts the prefill is a small part. Needs the reference's golden
@@ -67,7 +75,14 @@ def _entry(tokens: int, seconds: list[float], **extra) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / best if best else None, **extra}
 
 
-def measure(case, golden, *, repeats: int) -> dict:
+def _fresh(engine) -> None:
+    """An empty prefix cache, as in a fresh engine (a no-op where the engine has none to reset)."""
+    llm = getattr(engine, "llm", None)
+    if llm is not None and hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+
+
+def measure(case, golden, *, repeats: int, copies: int = 1) -> dict:
     from diffcheck.engines import replay
     from diffcheck.engines import session as sessionmod
     from diffcheck import workspace
@@ -77,7 +92,7 @@ def measure(case, golden, *, repeats: int) -> dict:
                "graph_capture_s": graph_capture_seconds(getattr(engine, "log_path", None)),
                "effective": engine.info().get("effective", {}), "forcing_mechanism": engine.mechanism}
         row["logprob_capture"] = engine.capture
-        own = engine.generate()  # warm-up, and the run the partial replay plans against
+        own = engine.generate()  # warm-up (a fresh engine: an empty cache), and the run the partial replay plans against
         full = replay.plan(golden, own, "full")
         partial = replay.plan(golden, own, "partial")
         sides = ("logprobs20", "logprobs20_vllm", "no_logprobs", "forced", "forced_partial", "verdict", "bare")
@@ -89,23 +104,32 @@ def measure(case, golden, *, repeats: int) -> dict:
         pool.engines["config:" + sessionmod.config_key(case)] = engine  # the open engine, as compare keeps it
         floor = build_floor(own, {"replica": engine.force(own)})
         verdicts, same = [], []
+        suite_prompts = list(engine.prompts)
+        row["copies"] = copies
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            recorded = engine.generate()
-            times["logprobs20"].append(time.perf_counter() - t0)
-            tokens["logprobs20"] = recorded.n_tokens
-            if engine.capture == "device":
-                engine.capture = "vllm"
-                try:
-                    t0 = time.perf_counter()
-                    through_vllm = engine.generate()
-                    times["logprobs20_vllm"].append(time.perf_counter() - t0)
-                    same.append(_same_steps(recorded, through_vllm))
-                finally:
-                    engine.capture = "device"
-            plain = engine.time_generate(logprobs=False)
-            times["no_logprobs"].append(plain.seconds)
-            tokens["no_logprobs"] = plain.n_tokens
+            engine.prompts = suite_prompts * copies
+            try:
+                _fresh(engine)
+                t0 = time.perf_counter()
+                recorded = engine.generate()
+                times["logprobs20"].append(time.perf_counter() - t0)
+                tokens["logprobs20"] = recorded.n_tokens
+                if engine.capture == "device":
+                    engine.capture = "vllm"
+                    try:
+                        _fresh(engine)
+                        t0 = time.perf_counter()
+                        through_vllm = engine.generate()
+                        times["logprobs20_vllm"].append(time.perf_counter() - t0)
+                        same.append(_same_steps(recorded, through_vllm))
+                    finally:
+                        engine.capture = "device"
+                _fresh(engine)
+                plain = engine.time_generate(logprobs=False)
+                times["no_logprobs"].append(plain.seconds)
+                tokens["no_logprobs"] = plain.n_tokens
+            finally:
+                engine.prompts = suite_prompts
             engine.force(golden, starts=full.starts)
             times["forced"].append(engine.timings["force_s"])
             if partial.replayed:
@@ -113,10 +137,12 @@ def measure(case, golden, *, repeats: int) -> dict:
                 times["forced_partial"].append(engine.timings["force_s"])
             else:
                 times["forced_partial"].append(0.0)
+            _fresh(engine)
             with tempfile.TemporaryDirectory() as tmp:
                 timing, name = verdict_timing(case, engine, pool, own, floor, Path(tmp))
             times["verdict"].append(timing.wall_s)
             verdicts.append(name)
+            _fresh(engine)
             t0 = time.perf_counter()
             engine.time_generate(logprobs=False)
             times["bare"].append(time.perf_counter() - t0)
@@ -164,6 +190,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds of every measurement (best is used)")
     parser.add_argument("--reference", default=None,
                         help="the golden that forced replay follows (default: the suite's first reference, J)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="the suite's prompts this many times in each timed capture-overhead call")
     parser.add_argument("--out", type=Path, default=None, help="default: goldens/SUITE/speed.json")
     args = parser.parse_args()
 
@@ -173,14 +201,15 @@ def main() -> int:
     golden = workspace.load_golden(workspace.goldens_root(), suite.name, reference)
     rows = []
     for cid in args.cases.split(","):
-        rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats))
+        rows.append(measure(cases.get_case(suite, cid), golden, repeats=args.repeats, copies=args.copies))
         print(json.dumps({k: rows[-1].get(k) for k in ("case", "startup_s", "graph_capture_s", "logprob_capture",
                                                        "logprobs20", "logprobs20_vllm", "no_logprobs", "capture_overhead",
                                                        "capture_overhead_vllm", "time_to_verdict", "forced",
                                                        "forced_partial")}), flush=True)
         # written after every engine, so a call stopped at its time limit keeps what was measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"suite": suite.name, "repeats": args.repeats, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"suite": suite.name, "repeats": args.repeats, "copies": args.copies, "rows": rows},
+                                        indent=2) + "\n")
 
     base = rows[0]["logprobs20"]["tokens_per_s"]
     print("| case | engine | start-up s | graph capture s | tokens/s (top-20 logprobs) | vs first row "
