@@ -190,6 +190,22 @@ def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatc
     assert (events[0]["tp_rank"], events[0]["tp_size"]) == (None, None)
 
 
+def test_attn_noise_seed_unset_keeps_the_unseeded_stream_and_each_seed_draws_its_own():
+    import torch
+
+    from diffcheck.faults.attn_noise import ENV_SEED, MAX_SEED, generator_seed, read_seed
+
+    assert read_seed({}) is None and read_seed({ENV_SEED: " "}) is None and read_seed({ENV_SEED: "7"}) == 7
+    assert generator_seed(40, 3, None) == 1_000_003 * 40 + 3  # unset: today's noise exactly
+    seeds = [generator_seed(40, 3, s) for s in (None, 0, 1, 2, MAX_SEED)]
+    assert len(set(seeds)) == 5 and all(0 <= s < 2**32 for s in seeds)  # torch reads 32 bits of a seed
+    draws = {tuple(torch.randn(4, generator=torch.Generator().manual_seed(s)).tolist()) for s in seeds}
+    assert len(draws) == 5
+    for bad in ("x", "-1", str(MAX_SEED + 1), "1.5"):
+        with pytest.raises(ConfigError, match=ENV_SEED):
+            read_seed({ENV_SEED: bad})
+
+
 @pytest.mark.parametrize(
     "name, index",
     [("model.layers.12.self_attn.attn", 12), ("model.layers.0.self_attn.attn", 0), ("lm_head", None), ("", None)],
