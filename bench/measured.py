@@ -88,18 +88,40 @@ def bench_sections() -> list[str]:
 
 def _verdicts(result: dict) -> list[str]:
     fa, power = result["false_alarms"], result["power"]
-    out = [f"Noise floor of the benchmark's reference: {result['floor']['n_steps']} replica steps, largest "
-           f"per-sequence mean KL {_fmt(result['floor']['kl_seq_max'])}.", "",
-           f"**False alarms**: {fa['flagged']} of {fa['replicas']} benign replica candidates flagged "
-           f"(verdicts: {', '.join(f'{k} {v}' for k, v in fa['verdicts'].items())}).", "",
-           f"**Power** ({power['fault']} from decode step {power['from_step']}): smallest strength flagged: "
-           f"{_fmt(power['smallest_flagged_scale'])}.", "",
-           "| strength | verdict | sequences | forced mean KL (worst seq) | forced mean loss (worst seq) |",
-           "|---|---|---|---|---|"]
-    for p in power["curve"]:
+    if "differing" not in fa or "smallest_loss_at_95" not in power:
+        return ["Recorded by an older bench_verdicts (replicas that were bit-identical, one trial per "
+                "strength): run `python bench/run_all.py verdicts` again.", ""]
+    out = ["**Quick mode** (DIFFCHECK_BENCH_QUICK=1, a smoke test): these numbers mean nothing.", ""] \
+        if result.get("quick") else []
+    out += [f"**False alarms**: {fa['flagged']} of {fa['differing']} benign pairs that differ from their reference "
+            f"flagged (DEGRADED or GIBBERISH), {fa['inconclusive']} INCONCLUSIVE; {fa['pairs']} pairs in all, "
+            f"{fa['identical']} of them bit-identical to their reference (counted apart, {fa['identical_flagged']} "
+            "flagged). Each is judged like any candidate against a floor that holds none of its factors.", "",
+            "| source | pairs | differing | flagged | INCONCLUSIVE |", "|---|---|---|---|---|"]
+    for name, s in fa["by_source"].items():
+        out.append(f"| {name} | {s['pairs']} | {s['differing']} | {s['flagged']} | {s['inconclusive']} |")
+    out += ["", "| pair | source | differs in | signals | floor | verdict | per sequence |", "|---|---|---|---|---|---|---|"]
+    for p in fa["runs"]:
         seqs = ", ".join(f"{v} {p['sequences'].count(v)}" for v in dict.fromkeys(p["sequences"]))
-        out.append(f"| {p['scale']} | {p['verdict']} | {seqs} | {_fmt(p['forced_kl_mean'])} | "
-                   f"{_fmt(p['forced_loss_mean'])} |")
+        out.append(f"| {p['pair']} | {p['source']} | {p['differs']} | {p['signals']} | {', '.join(p['floor']) or '-'} | "
+                   f"{p['verdict']} | {seqs} |")
+    best = power["smallest_loss_at_95"]
+    head = (f"no strength with {power['headline_min_trials']} trials or more reached 95 % power" if best is None else
+            f"smallest loss flagged at >= 95 % power: **{_fmt(best['loss_per_token'])} nats/token** (strength "
+            f"{best['scale']}: {best['flagged']} of {best['trials']} trials flagged, power {_fmt(best['power'])} with 95 % "
+            f"lower bound {_fmt(best['power_lower95'])}; {best['forced_tokens_per_trial']} forced tokens per trial)")
+    out += ["", f"**Power** ({power['fault']} from decode step {power['from_step']}; {power['prompts']} prompts x "
+                f"{power['tokens_per_sequence']} tokens; a trial is {power['trial']}): {head}. Reference floor: "
+                f"{power['floor_text']}.", "",
+            "| strength | trials (seeds x copies) | flagged | INCONCLUSIVE | power (95 % lower bound) | "
+            "forced loss / token (sd of trials) | forced mean KL | forced tokens / trial | decided by |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for c in power["curve"]:
+        by = ", ".join(f"{k} {v}" for k, v in c["decided_by"].items()) or "-"
+        out.append(f"| {c['scale']} | {c['trials']} ({c['seeds']} x {c['copies']}) | {c['flagged']} | "
+                   f"{c['inconclusive']} | {_fmt(c['power'])} ({_fmt(c['power_lower95'])}) | "
+                   f"{_fmt(c['loss_per_token'])} ({_fmt(c['loss_sd_trials'])}) | {_fmt(c['kl_per_token'])} | "
+                   f"{c['forced_tokens_per_trial']} | {by} |")
     return out + [""]
 
 
