@@ -163,7 +163,36 @@ def gpu_section() -> list[str]:
             out.append(f"| {row['case']} | {row['effective']['cudagraph_mode']} | "
                        f"{_fmt(row['logprobs20']['tokens_per_s'])} | {_fmt(row['no_logprobs']['tokens_per_s'])} | "
                        f"{_fmt(row['forced']['tokens_per_s'])} |")
+    out += gpu_capture_lines()
     return out + [""]
+
+
+def gpu_capture_lines() -> list[str]:
+    """The newest recorded capture-overhead and time-to-verdict round (speed-*capture.json, most
+    rounds, then newest), with the card it ran on: issue 24's measured state on the GPU lane."""
+    import statistics
+
+    found = sorted(GPU.glob("speed-*capture.json"), key=lambda p: (json.loads(p.read_text()).get("repeats", 0),
+                                                                     p.stat().st_mtime))
+    if not found:
+        return []
+    path = found[-1]
+    data = json.loads(path.read_text())
+    out = ["", f"Logprob capture and time to verdict, recorded on the GPU lane: `{path.relative_to(ROOT)}`, "
+               f"{data['repeats']} rounds side by side in one process (docs/gpu.md names the card and the command). "
+               "Overheads are shares of the no-logprobs time.", "",
+           "| case | graph mode | no logprobs tok/s | device capture, best of rounds | device capture, ratio of medians "
+           "| vLLM's path, best of rounds | time to verdict / bare generate | verdicts |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        no, lp = r["no_logprobs"]["seconds"], r["logprobs20"]["seconds"]
+        vl = r.get("logprobs20_vllm", {}).get("seconds")
+        ttv = r["time_to_verdict"]
+        verdicts = ", ".join(f"{v} {ttv['verdicts'].count(v)}" for v in dict.fromkeys(ttv["verdicts"]))
+        out.append(f"| {r['case']} | {r['effective']['cudagraph_mode']} | {_fmt(r['no_logprobs']['tokens_per_s'])} | "
+                   f"{min(lp) / min(no) - 1:+.1%} | {statistics.median(lp) / statistics.median(no) - 1:+.1%} | "
+                   f"{(min(vl) / min(no) - 1) if vl else float('nan'):+.1%} | {ttv['ratio_of_medians']:.2f}x | {verdicts} |")
+    return out
 
 
 def main() -> int:
