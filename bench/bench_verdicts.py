@@ -15,7 +15,7 @@ Flagged = DEGRADED or GIBBERISH; INCONCLUSIVE is counted apart (no detection, an
    step 8) at graded strengths (`POWER`). A *trial* is one candidate run of the eight prompts with
    noise of its own: an engine runs several copies of the prompts in one batch (each copy's rows
    draw their own noise; copies of the clean engine are bit-identical to J, generated and forced,
-   measured) and every engine start has its own ``DIFFCHECK_ATTN_NOISE_SEED``. Power at a
+   measured) and every engine start has its own ``DIFFCHECK_FAULT_SEED``. Power at a
    strength = flagged trials / trials. Per strength: the forced loss per token (mean -Δlogprob of
    J's tokens over every forced token of every trial) and the spread of the trial means, the mean
    KL, flagged, INCONCLUSIVE, which tests flagged (KL, loss, far step, a gibberish signal), forced
@@ -64,7 +64,7 @@ QUICK = os.environ.get("DIFFCHECK_BENCH_QUICK", "").strip() not in ("", "0")
 
 FORCED_TOKENS = 1000  # the "within 1,000 forced tokens": tokens per sequence = this // prompts
 FAULT_STEP = 8
-SEED_ENV = "DIFFCHECK_ATTN_NOISE_SEED"  # diffcheck.faults.attn_noise.ENV_SEED (not imported: vLLM)
+SEED_ENV = "DIFFCHECK_FAULT_SEED"  # diffcheck.cases.faults.ENV_SEED, attn-noise's noise stream
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers x (K, V) x KV heads x head dim x fp32
 # (strength, engine starts = seeds, copies per engine): trials = seeds x copies. Measured here
 # before choosing (one engine, four copies of the eight prompts forced along J, 125 tokens from

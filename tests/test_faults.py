@@ -13,7 +13,7 @@ import pytest
 from diffcheck.core.errors import ConfigError
 from diffcheck.faults import FAULTS, describe, names_for_lane, register, valid_names, validate_env
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import DEFAULT_STEP, parse_env
+from diffcheck.cases.faults import DEFAULT_STEP, ENV_OPTIONS, ENV_SEED, MAX_FAULT_SEED, parse_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,17 +193,47 @@ def test_acting_starts_at_step_n_and_writes_one_acting_line(tmp_path, monkeypatc
 def test_attn_noise_seed_unset_keeps_the_unseeded_stream_and_each_seed_draws_its_own():
     import torch
 
-    from diffcheck.faults.attn_noise import ENV_SEED, MAX_SEED, generator_seed, read_seed
+    from diffcheck.faults.attn_noise import generator_seed
 
-    assert read_seed({}) is None and read_seed({ENV_SEED: " "}) is None and read_seed({ENV_SEED: "7"}) == 7
     assert generator_seed(40, 3, None) == 1_000_003 * 40 + 3  # unset: today's noise exactly
-    seeds = [generator_seed(40, 3, s) for s in (None, 0, 1, 2, MAX_SEED)]
+    seeds = [generator_seed(40, 3, s) for s in (None, 0, 1, 2, MAX_FAULT_SEED)]
     assert len(set(seeds)) == 5 and all(0 <= s < 2**32 for s in seeds)  # torch reads 32 bits of a seed
     draws = {tuple(torch.randn(4, generator=torch.Generator().manual_seed(s)).tolist()) for s in seeds}
     assert len(draws) == 5
-    for bad in ("x", "-1", str(MAX_SEED + 1), "1.5"):
-        with pytest.raises(ConfigError, match=ENV_SEED):
-            read_seed({ENV_SEED: bad})
+
+
+def test_fault_seed_is_an_attn_noise_option_parsed_into_the_spec():
+    noise = {"DIFFCHECK_FAULT": "attn-noise"}
+    assert ENV_SEED == "DIFFCHECK_FAULT_SEED" and ENV_SEED in ENV_OPTIONS
+    assert ENV_SEED in parse_env(noise).info.options
+    assert parse_env(noise).seed is None and parse_env({**noise, ENV_SEED: " "}).seed is None  # the unseeded stream
+    assert parse_env({**noise, ENV_SEED: "7"}).seed == 7
+    assert parse_env({**noise, ENV_SEED: "0"}).seed == 0
+    assert parse_env({**noise, ENV_SEED: str(MAX_FAULT_SEED)}).seed == MAX_FAULT_SEED
+    assert parse_env({"DIFFCHECK_FAULT": "attn-noise:fixed", ENV_SEED: "3"}).seed == 3
+    validate_env({**noise, ENV_SEED: "7", "DIFFCHECK_FAULT_SCALE": "0.05", "DIFFCHECK_FAULT_STEP": "8"})
+    # two specs that differ only in their seed are different faults (register() refuses to switch)
+    assert parse_env({**noise, ENV_SEED: "1"}) != parse_env({**noise, ENV_SEED: "2"}) != parse_env(noise)
+    assert parse_env({**noise, ENV_SEED: "1"}) == parse_env({**noise, ENV_SEED: "1"})
+    for name in FAULTS:
+        if name != "attn-noise":
+            assert parse_env({"DIFFCHECK_FAULT": name}).seed is None
+
+
+@pytest.mark.parametrize("bad", ["x", "-1", str(MAX_FAULT_SEED + 1), "1.5", "1e3"])
+def test_fault_seed_refuses_non_integers_and_out_of_range_values_in_one_line(bad):
+    message = _one_line_config_error({"DIFFCHECK_FAULT": "attn-noise", ENV_SEED: bad})
+    assert message.startswith(f"{ENV_SEED}=") and f"0..{MAX_FAULT_SEED}" in message
+
+
+@pytest.mark.parametrize("name", ["lost-head", "stale-decode-metadata", "seq-lens-copy"])
+def test_fault_seed_does_not_apply_to_a_fault_that_takes_none(name):
+    message = _one_line_config_error({"DIFFCHECK_FAULT": name, ENV_SEED: "1"})
+    assert f"{ENV_SEED} does not apply to fault {name!r}" in message
+
+
+def test_fault_seed_without_a_fault_is_refused():
+    assert f"{ENV_SEED} is set but DIFFCHECK_FAULT is not" in _one_line_config_error({ENV_SEED: "1"})
 
 
 @pytest.mark.parametrize(

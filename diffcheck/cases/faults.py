@@ -13,6 +13,8 @@ Environment variables (all set by a case's ``env``):
 - ``DIFFCHECK_FAULT_HEAD``: query-head index within the worker's shard (``lost-head``).
 - ``DIFFCHECK_FAULT_OFFSET``: position shift in tokens (``rope-offset``).
 - ``DIFFCHECK_FAULT_SCALE``: noise strength, relative to the output's RMS (``attn-noise``).
+- ``DIFFCHECK_FAULT_SEED``: an integer 0..2**20 that picks another, equally reproducible
+  noise stream (``attn-noise``); unset or empty: the unseeded stream.
 - ``DIFFCHECK_FAULT_MARKER``: a file the fault appends JSON lines to, from the
   process that patched ("patched") and the process where it first acted ("acting").
 
@@ -43,12 +45,14 @@ ENV_LAYER = "DIFFCHECK_FAULT_LAYER"
 ENV_HEAD = "DIFFCHECK_FAULT_HEAD"
 ENV_OFFSET = "DIFFCHECK_FAULT_OFFSET"
 ENV_SCALE = "DIFFCHECK_FAULT_SCALE"
+ENV_SEED = "DIFFCHECK_FAULT_SEED"
 ENV_MARKER = "DIFFCHECK_FAULT_MARKER"
-ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_SCALE, ENV_MARKER)
+ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_SCALE, ENV_SEED, ENV_MARKER)
 
 FIXED_SUFFIX = ":fixed"
 DEFAULT_STEP = 32
 ALL_LAYERS = "all"
+MAX_FAULT_SEED = 2**20  # DIFFCHECK_FAULT_SEED's largest value
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ CATALOGUE: tuple[FaultInfo, ...] = (
         "partial sums, a wrong scale): right shapes, small unbiased error per element",
         symptom="from invisible to garbage as SCALE grows: the self-test's power curve",
         fixed="the same path with scale 0",
-        options=(ENV_LAYER, ENV_SCALE),
+        options=(ENV_LAYER, ENV_SCALE, ENV_SEED),
         default_layer=ALL_LAYERS,
         default_scale=0.1,
         where="the attention output of DIFFCHECK_FAULT_LAYER (`all`, the default: layer 0 first): noise is "
@@ -203,7 +207,9 @@ def valid_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """A validated fault selection. `layer` is None for all layers."""
+    """A validated fault selection. `layer` is None for all layers; `seed` is None for the
+    unseeded noise stream. Every field takes part in equality: two specs that differ in any
+    option (a seed included) are different faults, though they share a `label`."""
 
     name: str
     fixed: bool
@@ -212,6 +218,7 @@ class FaultSpec:
     head: int | None = None
     offset: int | None = None
     scale: float | None = None
+    seed: int | None = None
     marker: str | None = None
 
     @property
@@ -314,6 +321,7 @@ def parse_env(env: Mapping[str, str]) -> FaultSpec | None:
     if offset == 0:
         raise ConfigError(f"{ENV_OFFSET}=0 would make fault {info.name!r} a no-op (use a non-zero shift)")
     scale = _scale_option(present, info) if ENV_SCALE in info.options else None
+    seed = _seed_option(present) if ENV_SEED in info.options else None
     marker = (present.get(ENV_MARKER) or "").strip() or None
     return FaultSpec(
         name=info.name,
@@ -323,6 +331,7 @@ def parse_env(env: Mapping[str, str]) -> FaultSpec | None:
         head=head,
         offset=offset,
         scale=scale,
+        seed=seed,
         marker=marker,
     )
 
@@ -337,6 +346,20 @@ def _scale_option(env: Mapping[str, str], info: FaultInfo) -> float:
         raise ConfigError(f"{ENV_SCALE}={raw!r} is not a number (valid: a relative strength > 0, e.g. 0.01)") from None
     if not value > 0 or value != value or value == float("inf"):
         raise ConfigError(f"{ENV_SCALE}={raw!r} must be a finite number > 0 (use the ':fixed' variant for 0)")
+    return value
+
+
+def _seed_option(env: Mapping[str, str]) -> int | None:
+    """DIFFCHECK_FAULT_SEED: None when unset or empty (the unseeded stream), else 0..MAX_FAULT_SEED."""
+    raw = (env.get(ENV_SEED) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_SEED}={raw!r} is not an integer (valid: 0..{MAX_FAULT_SEED}, or unset)") from None
+    if not 0 <= value <= MAX_FAULT_SEED:
+        raise ConfigError(f"{ENV_SEED}={value} is outside 0..{MAX_FAULT_SEED} (or unset: the unseeded stream)")
     return value
 
 
@@ -356,6 +379,8 @@ def describe() -> str:
             options.append(f"`{ENV_OFFSET}` ({info.default_offset})")
         if ENV_SCALE in info.options:
             options.append(f"`{ENV_SCALE}` ({info.default_scale})")
+        if ENV_SEED in info.options:
+            options.append(f"`{ENV_SEED}` (none)")
         rows.append(
             f"| `{info.name}` | {info.lane} | `{info.code_path}` | {info.bug_class} | {info.symptom} | {info.fixed} | "
             + ", ".join(options)

@@ -11,45 +11,24 @@ diffcheck flags (its power). The noise is a fixed function of (step, layer), so 
 are reproducible. The ``:fixed`` variant runs the same path with scale 0.
 Acts in decode-only passes at step >= N, in DIFFCHECK_FAULT_LAYER (default ``all``).
 
-Repeated trials: ``DIFFCHECK_ATTN_NOISE_SEED`` (an integer 0..2**20, optional) picks
-another, equally reproducible noise stream. Unseeded, the generator of each (step, layer)
-is seeded ``1_000_003 * step + layer``, exactly as before; with a seed S it is seeded with a
-32-bit word that numpy's ``SeedSequence`` hashes from (S, step, layer) (torch's CPU
-generator reads only the low 32 bits of a seed, so an offset above them would change
-nothing). `bench/bench_verdicts.py` starts one engine per seed to measure power as the
-fraction of independent trials flagged. It is not one of the ``DIFFCHECK_FAULT*`` options:
-that contract (`diffcheck.cases.faults`) refuses names it does not know, so the seed lives
-beside it, is read in the worker processes the fault patches, and a malformed value fails
-the engine start there (`ConfigError`).
+Repeated trials: ``DIFFCHECK_FAULT_SEED`` (an integer 0..2**20, optional), one of this
+fault's ``DIFFCHECK_FAULT*`` options (`diffcheck.cases.faults`, which parses it into
+``spec.seed``, so a malformed value is refused when a suite loads, like any other option),
+picks another, equally reproducible noise stream. Unseeded, the generator of each
+(step, layer) is seeded ``1_000_003 * step + layer``, exactly as before the option existed;
+with a seed S it is seeded with a 32-bit word that numpy's ``SeedSequence`` hashes from
+(S, step, layer) (torch's CPU generator reads only the low 32 bits of a seed, so an offset
+above them would change nothing). `bench/bench_verdicts.py` starts one engine per seed to
+measure power as the fraction of independent trials flagged.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from diffcheck.core.errors import ConfigError
 from diffcheck.faults import runtime
 from diffcheck.cases.faults import FaultSpec
-
-ENV_SEED = "DIFFCHECK_ATTN_NOISE_SEED"
-MAX_SEED = 2**20
-
-
-def read_seed(env=os.environ) -> int | None:
-    """The seed `ENV_SEED` sets, or None when it is unset or empty (the unseeded stream)."""
-    raw = (env.get(ENV_SEED) or "").strip()
-    if not raw:
-        return None
-    try:
-        seed = int(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_SEED}={raw!r} is not an integer (valid: 0..{MAX_SEED})") from None
-    if not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"{ENV_SEED}={seed} is outside 0..{MAX_SEED}")
-    return seed
 
 
 def generator_seed(step: int, layer: int, seed: int | None) -> int:
@@ -65,7 +44,7 @@ def install(spec: FaultSpec) -> None:
 
     original = CPUAttentionBackendImpl.forward
     scale = 0.0 if spec.fixed else float(spec.scale or 0.0)
-    seed = read_seed()
+    seed = spec.seed
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
