@@ -425,7 +425,10 @@ def decode(where: str, pf, *, rerecord: str) -> Run:
     if missing:
         raise DataError(f"{where}: missing columns {', '.join(missing)}")
     try:
-        table = pf.read(columns=list(COLUMNS))
+        # One thread: Arrow's pool threads could still be joinable when the interpreter exits,
+        # and that aborts the process ("terminate called without an active exception", seen once
+        # at `golden verify`'s exit, apache/arrow#34314). A run is a few thousand rows.
+        table = pf.read(columns=list(COLUMNS), use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{where}: column data is unreadable, truncated or corrupt ({str(exc).splitlines()[0]})") from None
     k, escaped = int(layout["k"]), set(layout.get("text_json_escaped", []))
