@@ -31,6 +31,7 @@ from diffcheck.engines import session as sessionmod
 from diffcheck.judging import classify
 from diffcheck.storage import store
 from diffcheck.workflows import compare as comparemod
+from diffcheck.workflows import cross_hardware as xhw
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_FILE = ROOT / "cases" / "gpu-h200.toml"
@@ -100,14 +101,14 @@ def test_the_note_says_where_the_scoring_came_from_and_for_which_golden():
     scored = store.read_run(GOLDENS / "O.scored-J.parquet")
     here = {k: v for k, v in hardware().items() if k not in ("gpu_name", "gpu_count", "cuda")}
     stamp = {"golden_hardware": "NVIDIA H200", "dtype": "float32", "scored": "candidate"}
-    mine = _with_meta(scored, hardware=here, source={**scored.meta.source, comparemod.CROSS_HARDWARE: stamp})
-    assert comparemod.cross_hardware_note(mine, golden) == \
+    mine = _with_meta(scored, hardware=here, source={**scored.meta.source, xhw.CROSS_HARDWARE: stamp})
+    assert xhw.note(mine, golden) == \
         "scored on this machine's CPU (float32) for a golden recorded on NVIDIA H200"
     other = _with_meta(mine, hardware={"machine": "x86_64", "cpu_model": "Some Other CPU"})
-    assert comparemod.cross_hardware_note(other, golden).startswith(
+    assert xhw.note(other, golden).startswith(
         "scored on a CPU (Some Other CPU) (float32) for a golden recorded on NVIDIA H200")
     moved = _with_meta(mine, model={**mine.meta.model, "digest": "f" * 64})
-    assert comparemod.cross_hardware_note(moved, golden).endswith(
+    assert xhw.note(moved, golden).endswith(
         f"; model digest {'f' * 12} for the scoring, {golden.meta.model['digest'][:12]} in the golden")
 
 
@@ -184,9 +185,9 @@ def test_a_scoring_recorded_with_another_run_is_never_overwritten(tmp_path):
     before = path.read_bytes()
     other = _with_meta(store.read_run(GOLDENS / "H.run.parquet"), case_id="O")  # another run of case O
     fake = _with_meta(store.read_run(GOLDENS / "H.scored-J.parquet"),
-                      source={comparemod.CROSS_HARDWARE: {"golden_hardware": "NVIDIA H200", "dtype": "float32"}})
+                      source={xhw.CROSS_HARDWARE: {"golden_hardware": "NVIDIA H200", "dtype": "float32"}})
     lines: list[str] = []
-    kept = comparemod._store_here(root, "J", other, fake, echo=lines.append)
+    kept = xhw.store_here(root, "J", other, fake, echo=lines.append)
     assert path.read_bytes() == before
     assert kept.meta.source["scored_digest"] == store.content_digest(other)
     assert any("holds a scoring made on NVIDIA H200: left as it is" in line for line in lines), lines
@@ -249,7 +250,7 @@ def test_one_cpu_engine_in_float32_scores_both_runs_and_the_golden(rejudged):
                        ("J.scored-J.parquet", "golden")):
         meta = store.read_meta(folder / name)
         assert meta.kind == "scored" and "gpu_name" not in meta.hardware, name
-        assert meta.source[comparemod.CROSS_HARDWARE] == {"golden_hardware": "NVIDIA H200", "dtype": "float32",
+        assert meta.source[xhw.CROSS_HARDWARE] == {"golden_hardware": "NVIDIA H200", "dtype": "float32",
                                                            "scored": what}, name
         assert meta.engine["effective"]["dtype"] == "float32" and meta.engine["effective"]["enforce_eager"], name
     for cid in ("H", "O"):

@@ -5,12 +5,8 @@ replay along each golden: `diffcheck.engines.session`); the reference engine's s
 of a candidate that diverged; every file written by `diffcheck.workspace`; then the
 pure judge (`diffcheck.judging.classify`) against each reference's floor.
 
-Cross-hardware scoring: a recorded run (``--run``) whose golden was recorded on a GPU this
-machine lacks, with no scored file beside it, is scored by the reference's model on this
-machine's CPU in float32 (`sessionmod.on_this_cpu`), and so are the golden's own tokens: the
-judge reads the candidate's scored NLL against that baseline, never against the GPU's
-(`classify.compare_runs`, ``scored_reference``). Both scored runs say so in their meta
-(``source["cross_hardware"]``), and so do the output and the report's summary.
+Cross-hardware scoring (``--run`` with a golden from a GPU this machine lacks) lives in
+`diffcheck.workflows.cross_hardware`.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from diffcheck.engines import session as sessionmod
 from diffcheck.judging.align import differs
 from diffcheck.judging.quality import with_quality
 from diffcheck.storage import store
+from diffcheck.workflows import cross_hardware as xhw
 
 Echo = Callable[[str], None]
 
@@ -90,9 +87,9 @@ def run_candidate(case, references: list[str], goldens: dict[str, Run], *, root:
 def score_candidate(ref_case, candidate: Run, *, root: Path, verbose: bool = False, echo: Echo = print,
                     session: sessionmod.EngineSession | None = None) -> Run:
     """The reference engine's logprobs of the candidate's tokens (prefill scoring), cached by content
-    (never a cross-hardware scoring: that one is judged only beside its baseline, `_stored_pair`)."""
+    (never a cross-hardware scoring: that one is judged only beside its baseline, `cross_hardware.stored_pair`)."""
     stored = workspace.stored_score(root, ref_case.id, candidate)
-    if stored is not None and CROSS_HARDWARE not in stored.meta.source:
+    if stored is not None and xhw.CROSS_HARDWARE not in stored.meta.source:
         return stored
     scored = sessionmod.score(ref_case, candidate, session=session, verbose=verbose, echo=echo)
     return workspace.store_score(root, ref_case.id, candidate, scored)
@@ -116,7 +113,7 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
     instead of running the engine; a missing scored file is computed with the local
     reference engine, and the signals the verdict had are always stated. Where the golden
     was recorded on a GPU this machine lacks, that engine is the reference's model on this
-    machine's CPU in float32 (cross-hardware scoring: `_score_here`), which scores the
+    machine's CPU in float32 (cross-hardware scoring: `cross_hardware.score_here`), which scores the
     golden's own tokens too, as the baseline; the output and the report say where the
     scoring came from. `session` then holds that engine too, under its own key, so the
     comparisons of one command share one start. ``score_missing=False``: no engine at all; a
@@ -156,16 +153,16 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                 if fp.exists():
                     forced[r] = store.read_run(fp)
                 beside = store.read_run(sp) if sp.exists() else None
-                if beside is not None and CROSS_HARDWARE not in beside.meta.source:
+                if beside is not None and xhw.CROSS_HARDWARE not in beside.meta.source:
                     scored[r] = beside  # recorded with the run
                     continue
                 if r == case.id or not differs(goldens[r], candidate):
                     continue
-                pair = _stored_pair(root, folder, r, candidate, goldens[r])
+                pair = xhw.stored_pair(root, folder, r, candidate, goldens[r])
                 if pair is None and not score_missing:
                     echo(f"{case.id}: no scored file beside {run_file}; judged without scoring (no engine asked for)")
                     continue
-                gpu = _recorded_elsewhere(goldens[r]) if pair is None else None
+                gpu = xhw.recorded_elsewhere(goldens[r]) if pair is None else None
                 try:
                     if pair is not None:
                         scored[r], baselines[r] = pair
@@ -175,13 +172,13 @@ def compare(suite, case_id: str, *, root: Path, run_file: Path | None = None, ve
                     else:
                         if scorers is None:
                             scorers = stack.enter_context(sessionmod.EngineSession(verbose=verbose))
-                        scored[r], baselines[r] = _score_here(casesmod.get_case(suite, r), goldens[r], candidate,
+                        scored[r], baselines[r] = xhw.score_here(casesmod.get_case(suite, r), goldens[r], candidate,
                                                               gpu=gpu, root=root, session=scorers, echo=echo)
                 except EngineError as exc:
                     failed[r] = exc.message
                     continue
                 if r in baselines:
-                    echo(f"{case.id} vs {r}: scoring from other hardware: {cross_hardware_note(scored[r], goldens[r])}"
+                    echo(f"{case.id} vs {r}: scoring from other hardware: {xhw.note(scored[r], goldens[r])}"
                          f"; the golden's own tokens scored there too are the baseline it is judged against")
     else:
         try:
@@ -255,7 +252,7 @@ def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candi
     lacking = _unavailable_signals(case, casesmod.get_case(suite, r))
     if r == case.id:
         lacking = lacking + ["no scoring (own golden: the engine that would score is the one being checked)"]
-    elsewhere = cross_hardware_note(scored, golden) if scored is not None and scored_reference is not None else None
+    elsewhere = xhw.note(scored, golden) if scored is not None and scored_reference is not None else None
     if not quiet:
         for note in notes:
             echo(note)
@@ -269,9 +266,9 @@ def judge_reference(suite, case, r: str, *, golden: Run, full_golden: Run, candi
     delta = casesmod.config_delta(case, casesmod.get_case(suite, r))
     signals = {**v.summary.get("signals", {}), "unavailable": lacking}
     if elsewhere:
-        stamp = scored.meta.source[CROSS_HARDWARE]
+        stamp = scored.meta.source[xhw.CROSS_HARDWARE]
         signals["scoring"] = {"cross_hardware": True, "note": elsewhere, "golden_hardware": stamp["golden_hardware"],
-                              "scorer_hardware": _hardware_name(scored.meta.hardware), "dtype": stamp["dtype"],
+                              "scorer_hardware": xhw.hardware_name(scored.meta.hardware), "dtype": stamp["dtype"],
                               "baseline": "the golden's own tokens, scored by the same engine"}
     summary = {**v.summary, "signals": signals}
     return dataclasses.replace(with_quality(v, candidate), config_delta=delta, summary=summary)
@@ -290,120 +287,3 @@ def _unavailable_signals(case, ref_case) -> list[str]:
     from diffcheck.engines import registry
 
     return registry.unavailable(case, ("forced_replay",)) + registry.unavailable(ref_case, ("prompt_scoring",))
-
-
-# -- cross-hardware scoring --------------------------------------------------------------------------
-
-CROSS_HARDWARE = "cross_hardware"  # the key of a scored run's meta.source that says it came from other hardware
-
-
-def _recorded_elsewhere(golden: Run) -> str | None:
-    """The GPU `golden` was recorded on, where this machine has none (its reference engine cannot run
-    here as recorded); None where it can."""
-    gpu = golden.meta.hardware.get("gpu_name")
-    if not gpu:
-        return None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    except ImportError:
-        pass
-    return str(gpu)
-
-
-def _score_here(ref_case, golden: Run, candidate: Run, *, gpu: str, root: Path,
-                session: sessionmod.EngineSession, echo: Echo = print) -> tuple[Run, Run]:
-    """Cross-hardware scoring: reference `ref_case`'s model on this machine's CPU in float32
-    (`sessionmod.on_this_cpu`, one engine in `session`) scores the candidate's tokens and the golden's
-    own, each stamped with where it came from and stored like any scored run (`_store_here`).
-
-    The NLL of a text moves by hundredths of a nat per token between a GPU's bf16 and a CPU's
-    float32; garbage scores about 3 nats per token and text about 1, so the scoring still tells one
-    from the other. It does not carry finer decisions: the judge sets the scored NLL only against
-    the golden's NLL from this same engine (`classify.compare_runs`, ``scored_reference``), and the
-    floor decision never reads it. An engine failure is an EngineError (the comparison's ERROR)."""
-    r = ref_case.id
-    local = sessionmod.on_this_cpu(ref_case)
-    echo(f"{candidate.meta.case_id}: golden {r} was recorded on {gpu}, which this machine lacks: scoring the run "
-         f"and the golden's own tokens with {r}'s model on this machine's CPU (float32, eager)")
-    out = []
-    for run in (candidate, golden):
-        s = sessionmod.score(local, run, session=session, echo=echo, key=f"{r}/cpu-float32")
-        stamp = {"golden_hardware": gpu, "dtype": "float32", "scored": "golden" if run is golden else "candidate"}
-        s = dataclasses.replace(s, meta=dataclasses.replace(s.meta, source={**s.meta.source, CROSS_HARDWARE: stamp}))
-        out.append(_store_here(root, r, run, s, echo=echo))
-    return out[0], out[1]
-
-
-def _store_here(root: Path, r: str, run: Run, scored: Run, *, echo: Echo = print) -> Run:
-    """`workspace.store_score`, except over a stored scoring that did not come from other hardware (one
-    recorded with its run, e.g. on the GPU): that one is left as it is and this one kept in memory."""
-    path = workspace.scored_file(root, run.meta.suite, run.meta.case_id, r)
-    if path.exists():
-        try:
-            meta = store.read_meta(path)
-        except DiffcheckError:
-            meta = None
-        if meta is not None and CROSS_HARDWARE not in meta.source:
-            echo(f"{run.meta.case_id}: {path} holds a scoring made on {_hardware_name(meta.hardware)}: left as it "
-                 "is; this machine's scoring is used for this comparison only")
-            source = {**scored.meta.source, "scored_digest": store.content_digest(run)}
-            return dataclasses.replace(scored, meta=dataclasses.replace(scored.meta, source=source))
-    return workspace.store_score(root, r, run, scored)
-
-
-def _stored_pair(root: Path, folder: Path, r: str, candidate: Run, golden: Run) -> tuple[Run, Run] | None:
-    """A stored cross-hardware scoring of `candidate` and of `golden` by reference `r`'s model from one
-    engine (same model, hardware and dtype), beside the run or in the workspace; None where there is none."""
-    def found(run: Run) -> list[Run]:
-        out = []
-        paths = {store.run_path(folder.parent, folder.name, run.meta.case_id, kind="scored", reference=r),
-                 workspace.scored_file(root, run.meta.suite, run.meta.case_id, r)}
-        for path in sorted(p for p in paths if p.exists()):
-            try:
-                s = store.read_run(path)
-            except DiffcheckError:
-                continue
-            if CROSS_HARDWARE in s.meta.source and s.meta.source.get("scored_digest") == store.content_digest(run):
-                out.append(s)
-        return out
-
-    for c in found(candidate):
-        for g in found(golden):
-            if _scorer(c) == _scorer(g):
-                return c, g
-    return None
-
-
-def _scorer(run: Run) -> tuple:
-    """What a scored run's numbers depend on: the model, the hardware, the dtype."""
-    hw = run.meta.hardware
-    return (run.meta.model.get("digest"), hw.get("gpu_name"), hw.get("cpu_model"), hw.get("machine"),
-            run.meta.source.get(CROSS_HARDWARE, {}).get("dtype"))
-
-
-def _hardware_name(hw: dict) -> str:
-    return str(hw.get("gpu_name") or hw.get("cpu_model") or hw.get("machine") or "unknown hardware")
-
-
-def cross_hardware_note(scored: Run, golden: Run) -> str:
-    """Where a cross-hardware scoring came from, for the output and the report: e.g. "scored on this
-    machine's CPU (float32) for a golden recorded on NVIDIA H200"."""
-    from diffcheck.engines.base import hardware
-
-    stamp = scored.meta.source.get(CROSS_HARDWARE, {})
-    hw = scored.meta.hardware
-    if hw.get("gpu_name"):
-        where = str(hw["gpu_name"])
-    elif hw.get("cpu_model") and hw.get("cpu_model") == hardware().get("cpu_model"):
-        where = "this machine's CPU"
-    else:
-        where = f"a CPU ({_hardware_name(hw)})"
-    note = (f"scored on {where} ({stamp.get('dtype', 'float32')}) for a golden recorded on "
-            f"{stamp.get('golden_hardware') or _hardware_name(golden.meta.hardware)}")
-    here, there = scored.meta.model.get("digest"), golden.meta.model.get("digest")
-    if here and there and here != there:
-        note += f"; model digest {here[:12]} for the scoring, {there[:12]} in the golden"
-    return note
