@@ -69,9 +69,10 @@ def register() -> None:
             # would leave the first one half in place.
             from diffcheck.core.errors import ConfigError
 
+            other = spec.label if spec.label != state.spec.label else f"{spec.label} with other options"
             raise ConfigError(
                 f"fault {state.spec.label!r} is already patched into pid {os.getpid()}; "
-                f"cannot switch to {spec.label!r} in the same process"
+                f"cannot switch to {other!r} in the same process"
             )
         return
     if spec.info.takes_step:  # a fault that acts from capture on needs no step count
