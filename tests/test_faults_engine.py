@@ -1,11 +1,13 @@
 """The faults inside a real vLLM engine (CPU lane, SmolLM2-135M, greedy, 2 prompts x 48 tokens, N = 16).
 
-One engine per config is the expensive part (~10-25 s start and stop each on CPU, depending
-on the machine's load), so a single helper subprocess (``python -m tools.fault_smoke``)
-runs every config this session selected, one engine after another, and writes all
-token ids, texts and marker lines to one JSON file; the tests below only read it.
-Only the configs of the selected tests are run (``-k stale`` starts two engines).
-A missing model or a dead engine fails these tests: nothing here skips.
+Engine starts are the expensive part, so a single helper subprocess (``python -m
+tools.fault_smoke``) runs every config this session selected and writes all token ids,
+texts and marker lines to one JSON file; the tests below only read it. The fault configs
+share one engine, each switched in in turn, as the self-test runs them; that engine is also
+switched back to clean, one fault also runs in an engine of its own (``FRESH``), and the
+clean reference runs in a clean engine of its own: the tests hold the switched runs to
+those. Only the configs of the selected tests are run. A missing model or a dead engine
+fails these tests: nothing here skips.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from diffcheck.cases.faults import ENV_SWITCHABLE
 from diffcheck.faults import marker, names_for_lane
-from tools.fault_smoke import CLEAN
+from tools.fault_smoke import CLEAN, FRESH, SWITCHED
 
 pytestmark = pytest.mark.engine
 
@@ -27,11 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 STEP = 16
 MAX_TOKENS = 48
 FAULT_NAMES = sorted(names_for_lane("cpu"))  # seq-lens-copy needs CUDA graphs
-HELPER_TIMEOUT_S = 2400  # 9 engines on a loaded 2-core machine; a hang must still end
+HELPER_TIMEOUT_S = 1800  # 3 engines and 11 generations on a loaded 2-core machine; a hang must still end
+FRESH_FAULT = "stale-decode-metadata"  # run in an engine of its own too: a switched fault acts as a fresh one
 
 
 def _selected_configs(session) -> list[str]:
-    configs = {CLEAN}
+    configs = {CLEAN, FRESH_FAULT}
     for item in session.items:
         if Path(str(item.fspath)).name == Path(__file__).name and hasattr(item, "callspec"):
             config = item.callspec.params.get("config")
@@ -45,16 +49,16 @@ def smoke(request, tmp_path_factory) -> dict:
     """config -> result dict of SmokeResult; also '_driver_pid' and '_wall_s'."""
     out = tmp_path_factory.mktemp("faults") / "smoke.json"
     configs = _selected_configs(request.session)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCHECK_FAULT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFCHECK_FAULT", ENV_SWITCHABLE))}
     cmd = [sys.executable, "-m", "tools.fault_smoke", "--out", str(out), "--step", str(STEP),
-           "--max-tokens", str(MAX_TOKENS), *configs]
+           "--max-tokens", str(MAX_TOKENS), "--fresh", FRESH_FAULT, *configs]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=HELPER_TIMEOUT_S)
     if not out.exists():
         pytest.fail(f"fault smoke helper wrote no results (rc={proc.returncode}): {' '.join(cmd)}\n"
                     f"{proc.stderr[-4000:]}", pytrace=False)
     payload = json.loads(out.read_text())
     results = {r["config"]: r for r in payload["results"]}
-    print(f"\nfault smoke: {len(configs)} engines in {payload['wall_s']} s: "
+    print(f"\nfault smoke: {len(results)} runs in {payload['wall_s']} s: "
           + ", ".join(f"{c} start {r['start_s']} s gen {r['generate_s']} s" for c, r in results.items()))
     return results
 
@@ -133,3 +137,18 @@ def test_lost_head_stays_fluent_but_scores_worse(smoke, config):
 def test_kv_write_corruption_collapses_the_text(smoke, config):
     clean, faulty = _result(smoke, CLEAN), _result(smoke, config)
     assert _mean(faulty["nll_after_step"]) > _mean(clean["nll_after_step"]) + 2.0
+
+
+def test_an_engine_switched_back_to_clean_gives_the_clean_engines_output(smoke):
+    """The shared engine, after every fault of the session acted in it, equals a clean engine of its own
+    (no fault patched in): no fault leaves anything behind, and the patches change nothing while off."""
+    assert _result(smoke, CLEAN + SWITCHED)["token_ids"] == _result(smoke, CLEAN)["token_ids"]
+    assert _result(smoke, CLEAN + SWITCHED)["marker_events"] == []
+
+
+def test_a_fault_switched_in_acts_as_in_an_engine_of_its_own(smoke):
+    switched, fresh = _result(smoke, FRESH_FAULT), _result(smoke, FRESH_FAULT + FRESH)
+    assert switched["token_ids"] == fresh["token_ids"]
+    assert [e["step"] for e in fresh["marker_events"] if e["event"] == "acting"] == [STEP]
+    worker = {e["pid"] for e in switched["marker_events"]}
+    assert worker.isdisjoint(e["pid"] for e in fresh["marker_events"]), "the fresh engine had its own worker"

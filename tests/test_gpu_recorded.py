@@ -135,7 +135,6 @@ def test_recorded_runs_are_what_the_cases_claim():
 def test_gpu_fault_refuses_to_install_without_cuda():
     """seq-lens-copy must not silently do nothing on CPU vLLM."""
     from diffcheck.faults import gpu
-    from diffcheck.cases.faults import FaultSpec
 
     with pytest.raises(ConfigError, match="seq-lens-copy' needs CUDA"):
-        gpu.install(FaultSpec(name="seq-lens-copy", fixed=False, step=0))
+        gpu.install()

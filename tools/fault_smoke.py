@@ -1,19 +1,21 @@
-"""Smoke runs of the faults on a real vLLM engine: one engine per config, one after another.
+"""Smoke runs of the faults on a real vLLM engine.
 
-``python -m tools.fault_smoke --out results.json clean stale-decode-metadata ...``
+``python -m tools.fault_smoke --out results.json clean stale-decode-metadata ... [--fresh stale-decode-metadata]``
 
 Each config (``clean`` or a DIFFCHECK_FAULT value) becomes one case of a small
-generated suite whose env holds the DIFFCHECK_FAULT* variables (the engine sets them
-while vLLM spawns its engine core and worker, so they are set before those processes
-exist). Each case's engine is opened through the public engine API
-(`diffcheck.engines.session.open_engine`), runs the smoke prompts greedily, and is
-closed before the next config starts: never two engines at once. Then the fault's
-marker file is read back.
+generated suite whose env holds the DIFFCHECK_FAULT* variables. The fault configs run in
+one engine, each switched in in turn, as the self-test runs them
+(`diffcheck.engines.session.EngineSession` with ``switch_faults``: the engine's processes
+start with every CPU-lane fault patched in, `diffcheck.faults.switch` picks the one that
+acts); that engine then runs once more with its fault switched off (``clean@switched``).
+A config named with ``--fresh`` also runs in an engine of its own (``<config>@fresh``),
+started with that fault alone, as a user's case would be: the two must agree. Each
+config's marker file is read back. Never two engines at once.
 
-When ``clean`` is among the configs it runs last, and its engine also scores every
-other config's output (`score`: prompt logprobs, prefill, the clean model): the mean
-negative log-likelihood per token of the output after decode step N says how much
-worse a fault's text is, even where it stays fluent.
+When ``clean`` is among the configs it runs last in an engine of its own (no fault
+patched in), which also scores every other config's output (`score`: prompt logprobs,
+prefill, the clean model): the mean negative log-likelihood per token of the output after
+decode step N says how much worse a fault's text is, even where it stays fluent.
 
 Used by tests/test_faults_engine.py; knows nothing about goldens or verdicts.
 """
@@ -115,78 +117,99 @@ def _nll_after_step(scored, *, step: int) -> list[float | None]:
     return means
 
 
-@dataclass(frozen=True)
-class _EngineRun:
-    result: SmokeResult
-    run: object  # the generated diffcheck Run, for the clean engine to score
-    scores: dict[str, list[float | None]]  # other config -> its nll_after_step under this engine
+SWITCHED = "@switched"  # suffix of the clean config run again in the shared engine after every fault
+FRESH = "@fresh"  # suffix of a fault config also run in an engine of its own
 
 
-def run_config(case, config: str, *, step: int, marker: Path, score: dict[str, object] | None = None) -> _EngineRun:
-    """One engine for `config`'s case; if `score` (config -> Run) is given, this engine also scores those."""
-    from diffcheck.engines import session as sessionmod
-
-    t0 = time.monotonic()
-    with sessionmod.open_engine(case) as engine:
-        t1 = time.monotonic()
-        run = engine.generate()
-        t2 = time.monotonic()
-        scores = {name: _nll_after_step(engine.score(other), step=step) for name, other in (score or {}).items()}
-        own_nll = _nll_after_step(engine.score(run), step=step) if score else []
-    events = marker_file.read_events(marker)
-    result = SmokeResult(
+def _result(config: str, run, *, marker: Path | None, start_s: float, generate_s: float) -> SmokeResult:
+    return SmokeResult(
         config=config,
         token_ids=[run.sequence(i).token_id.tolist() for i in range(len(run.sequences))],
         texts=[s.text for s in run.sequences],
         finish_reasons=[s.finish_reason for s in run.sequences],
-        marker_events=events,
+        marker_events=marker_file.read_events(marker) if marker is not None else [],
         driver_pid=os.getpid(),
-        start_s=round(t1 - t0, 2),
-        generate_s=round(t2 - t1, 2),
-        nll_after_step=own_nll,
+        start_s=round(start_s, 2),
+        generate_s=round(generate_s, 2),
     )
-    return _EngineRun(result=result, run=run, scores=scores)
 
 
-def run_all(model: str, configs: list[str], *, step: int, max_tokens: int) -> list[SmokeResult]:
-    """Each config in its own engine, sequentially; `clean` last so it can score the others."""
+def _failed(config: str, exc: Exception) -> SmokeResult:
+    message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return SmokeResult(config=config, token_ids=[], texts=[], finish_reasons=[], marker_events=[],
+                       driver_pid=os.getpid(), start_s=0.0, generate_s=0.0, error=message)
+
+
+def run_all(model: str, configs: list[str], *, step: int, max_tokens: int,
+            fresh: tuple[str, ...] = ()) -> list[SmokeResult]:
+    """The fault configs in one engine, each switched in in turn (`EngineSession(switch_faults=True)`),
+    then that engine switched back to clean (config ``clean@switched``); each config in `fresh` once
+    more in an engine of its own (``<config>@fresh``); last, when ``clean`` is asked for, a clean
+    engine of its own that generates and scores every other config's output."""
     from diffcheck import cases
+    from diffcheck.engines import session as sessionmod
 
-    ordered = [c for c in configs if c != CLEAN] + [c for c in configs if c == CLEAN]
+    faults = [c for c in configs if c != CLEAN]
     results: list[SmokeResult] = []
     runs: dict[str, object] = {}
     _set_env({})  # only a case's own env selects a fault
     with tempfile.TemporaryDirectory(prefix="diffcheck-faults-") as tmp:
         workdir = Path(tmp)
-        markers = {c: workdir / f"marker-{c.replace(':', '_')}.jsonl" for c in ordered}
+        names = faults + [f"{c}{FRESH}" for c in fresh if c in faults] + [CLEAN]
+        markers = {c: workdir / f"marker-{c.replace(':', '_').replace('@', '_')}.jsonl" for c in names}
         envs: dict[str, dict[str, str]] = {}
         refused: dict[str, Exception] = {}
-        for config in ordered:
+        for config in names:
             try:
-                envs[config] = _fault_env(config, step=step, marker=str(markers[config]))
+                envs[config] = _fault_env(config.removesuffix(FRESH), step=step, marker=str(markers[config]))
             except Exception as exc:  # a bad name fails here, before an engine starts
                 refused[config] = exc
         try:
             suite = cases.load_suite(write_suite(workdir, model, envs, max_tokens=max_tokens))
         except Exception as exc:
             refused.update({c: exc for c in envs})
-        case_ids = {config: f"c{i}" for i, config in enumerate(envs)}
-        for config in ordered:
-            score = dict(runs) if config == CLEAN else None
+        case_of = {config: suite.cases[f"c{i}"] for i, config in enumerate(envs)} if len(refused) < len(envs) else {}
+
+        def generate(config: str, engine) -> None:
+            """`config`'s case generated on `engine` (a callable that returns the engine for a case)."""
             try:
                 if config in refused:
                     raise refused[config]
-                run = run_config(suite.cases[case_ids[config]], config, step=step, marker=markers[config],
-                                 score=score)
-                results = [replace(r, nll_after_step=run.scores[r.config]) if r.config in run.scores else r
-                           for r in results]
-                results.append(run.result)
-                runs[config] = run.run
+                t0 = time.monotonic()
+                eng = engine(case_of[config.removesuffix(SWITCHED)])
+                t1 = time.monotonic()
+                run = eng.generate()
+                results.append(_result(config, run, marker=markers.get(config), start_s=t1 - t0,
+                                       generate_s=time.monotonic() - t1))
+                runs[config] = run
             except Exception as exc:  # one broken config must not hide the others' results
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                results.append(SmokeResult(config=config, token_ids=[], texts=[], finish_reasons=[],
-                                           marker_events=[], driver_pid=os.getpid(), start_s=0.0,
-                                           generate_s=0.0, error=message))
+                results.append(_failed(config, exc))
+
+        def switched_to_clean(case):
+            engine = next(iter(shared.engines.values()))  # the kept engine, its last fault switched off
+            engine.switch_fault({})
+            engine.case, engine.env = case, {}
+            return engine
+
+        with sessionmod.EngineSession(switch_faults=True) as shared:
+            for config in faults:
+                generate(config, shared.rebound)
+            if CLEAN in configs and faults and shared.engines:
+                generate(CLEAN + SWITCHED, switched_to_clean)
+        with sessionmod.EngineSession() as own:  # an engine of its own per config, one at a time
+            for config in [f"{c}{FRESH}" for c in fresh if c in faults]:
+                generate(config, own.rebound)
+            if CLEAN in configs:
+                generate(CLEAN, own.rebound)
+                if CLEAN in runs:  # the clean model scores every output after step N
+                    try:
+                        scorer = own.rebound(case_of[CLEAN])
+                        scores = {name: _nll_after_step(scorer.score(run), step=step) for name, run in runs.items()}
+                    except Exception as exc:
+                        results.append(_failed(CLEAN + ":scoring", exc))
+                        scores = {}
+                    results = [replace(r, nll_after_step=scores[r.config]) if r.config in scores else r
+                               for r in results]
     return results
 
 
@@ -197,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="known model id or path (default smollm2-135m)")
     parser.add_argument("--step", type=int, default=16, help="DIFFCHECK_FAULT_STEP (default 16)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--fresh", action="append", default=[],
+                        help="also run this fault config in an engine of its own (repeatable)")
     args = parser.parse_args(argv)
 
     from diffcheck.core.errors import DiffcheckError
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diffcheck: error: {exc}", file=sys.stderr)
         return exc.exit_code
     t0 = time.monotonic()
-    results = run_all(model_path, args.configs, step=args.step, max_tokens=args.max_tokens)
+    results = run_all(model_path, args.configs, step=args.step, max_tokens=args.max_tokens, fresh=tuple(args.fresh))
     payload = {
         "model": model_path,
         "step": args.step,

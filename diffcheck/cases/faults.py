@@ -48,6 +48,17 @@ ENV_SCALE = "DIFFCHECK_FAULT_SCALE"
 ENV_SEED = "DIFFCHECK_FAULT_SEED"
 ENV_MARKER = "DIFFCHECK_FAULT_MARKER"
 ENV_OPTIONS = (ENV_STEP, ENV_LAYER, ENV_HEAD, ENV_OFFSET, ENV_SCALE, ENV_SEED, ENV_MARKER)
+# Set by diffcheck (never a case option): the engine's processes patch in every CPU-lane fault, the
+# one acting chosen at runtime (`diffcheck.faults.switch`), so the fault cases of one engine
+# configuration share one engine (`engines.session.EngineSession`, ``switch_faults``).
+ENV_SWITCHABLE = "DIFFCHECK_SWITCHABLE_FAULTS"
+
+
+
+def without_faults(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the DIFFCHECK_FAULT* variables (what an engine is built from, faults aside)."""
+    return {k: v for k, v in env.items() if not k.startswith(ENV_FAULT)}
+
 
 FIXED_SUFFIX = ":fixed"
 DEFAULT_STEP = 32

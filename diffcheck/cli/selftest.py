@@ -53,18 +53,23 @@ def selftest(ctx, suite, goldens, case_ids, strict, localize, json_path):
     refs = sorted({r for c in chosen for r in c.references})
     outcomes = []
     t0 = time.perf_counter()
-    with progress.display(verbose=verbose) as shown, sessionmod.EngineSession(verbose=verbose) as pool:
+    # The references' engines (goldens, scoring) in `pool`; the candidates' in `kept`, one at a time, kept
+    # for the next case of its configuration, fault cases switching their fault into it.
+    with progress.display(verbose=verbose) as shown, sessionmod.EngineSession(verbose=verbose) as pool, \
+            sessionmod.EngineSession(verbose=verbose, switch_faults=True) as kept:
         echo = shown.log
         missing = [ref for ref in refs if not store.run_path(root, s.name, ref).exists()]
         for n, ref in enumerate(missing, 1):
             shown.stage(f"selftest: recording golden {n} of {len(missing)}: {ref}")
             record.record_golden(cases.get_case(s, ref), root=root, verbose=verbose, echo=echo, session=pool)
-        for n, case in enumerate(chosen, 1):
+        judged = {}
+        for n, case in enumerate(st.in_engine_order(chosen), 1):
             shown.stage(f"selftest: case {n} of {len(chosen)}: {case.id}")
             echo(f"[{n}/{len(chosen)}] {case.id}: {case.description}")
-            comparison = comparemod.compare(s, case.id, root=root, verbose=verbose, echo=echo, session=pool)
-            for v in comparison.verdicts:
-                outcomes.append(st.outcome(case, v, strict=strict))
+            judged[case.id] = comparemod.compare(s, case.id, root=root, verbose=verbose, echo=echo, session=pool,
+                                                 candidate_session=kept)
+        for case in chosen:
+            outcomes.extend(st.outcome(case, v, strict=strict) for v in judged[case.id].verdicts)
         shown.stage(None)
         shown.activity("selftest: shutting the reference engines down")
     failed = [o for o in outcomes if not o.passed]

@@ -156,7 +156,13 @@ class _Chunks:
 
 
 class DiffcheckWorker(TapWorker, CaptureWorker):
-    """diffcheck's worker extension: the per-layer taps and the device capture."""
+    """diffcheck's worker extension: the per-layer taps, the device capture, and the fault switch."""
+
+    def diffcheck_fault_switch(self, env: dict) -> str | None:
+        """Make the fault `env` selects this worker's active one (`diffcheck.faults.switch`); its label."""
+        from diffcheck import faults
+
+        return faults.switch(env)
 
 
 def steps_for(answer: dict, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,

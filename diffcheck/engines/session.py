@@ -16,6 +16,7 @@ import inspect
 from typing import Any, Callable
 
 from diffcheck import cases as casesmod
+from diffcheck.cases.faults import ENV_SWITCHABLE, parse_env, without_faults
 from diffcheck.core import progress
 from diffcheck.core.types import Run
 from diffcheck.engines import registry
@@ -50,14 +51,25 @@ def open_engine(case, *, verbose: bool = False, taps: bool = False):
     return engine_class(case, model, prompts=prompts, verbose=verbose, **extra)
 
 
-def config_key(case) -> str:
+def config_key(case, *, faults_switched: bool = False) -> str:
     """What an engine is built from: the model, the engine table and the env (not the prompts, not
-    the sampling, which each request carries)."""
+    the sampling, which each request carries); with `faults_switched`, the env without its fault
+    (`fault_switchable`)."""
     import hashlib
     import json
 
-    payload = {"model": case.model, "engine": dataclasses.asdict(case.engine), "env": dict(sorted(case.env.items()))}
+    env = without_faults(case.env) if faults_switched else case.env
+    payload = {"model": case.model, "engine": dataclasses.asdict(case.engine), "env": dict(sorted(env.items()))}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def fault_switchable(case) -> bool:
+    """Whether `case`'s fault can be switched into a kept engine of its configuration instead of
+    needing an engine of its own: a CPU-lane fault (`diffcheck.faults.switch`) in an eager vLLM
+    offline engine (under torch.compile a patched Python path is traced once)."""
+    spec = parse_env(case.env)
+    return (spec is not None and spec.info.lane == "cpu" and (case.engine.kind or "vllm") == "vllm"
+            and bool(case.engine.enforce_eager))
 
 
 def with_config(run: Run, case) -> Run:
@@ -95,11 +107,15 @@ class EngineSession:
 
     """
 
-    def __init__(self, *, verbose: bool = False, taps: bool = False, exclusive: bool = False):
+    def __init__(self, *, verbose: bool = False, taps: bool = False, exclusive: bool = False,
+                 switch_faults: bool = False):
         self.verbose = verbose
         self.taps = taps  # engines opened with the per-layer taps (`diffcheck.engines.taps`)
         self.exclusive = exclusive  # one engine at a time: a GPU holds one engine at vLLM's memory fraction
+        # `rebound`: cases whose configurations differ only in a switchable fault share one engine
+        self.switch_faults = switch_faults
         self.engines: dict[str, Any] = {}
+        self.kept = False  # whether the last `rebound` found its engine open already
 
     def get(self, case, echo: Echo = print, *, key: str | None = None):
         """The open engine of `case`, started on first use (with `exclusive`, once the others are closed).
@@ -116,15 +132,29 @@ class EngineSession:
         """An open engine built from `case`'s configuration (model, engine table, env) and bound to
         `case`'s prompts and sampling, so cases that differ only there (the probes of
         `diffcheck reduce`) share one start. One such engine at a time: the one of another
-        configuration is closed first."""
-        key = "config:" + config_key(case)
+        configuration is closed first.
+
+        With ``switch_faults``, cases that differ only in a switchable fault (`fault_switchable`)
+        share one too: its processes start with every CPU-lane fault patched in, and each case
+        switches its own fault in (`engines.vllm_offline.VllmOffline.switch_fault`: the
+        decode-step clock restarts, the prefix cache is emptied)."""
+        switched = self.switch_faults and fault_switchable(case)
+        # never the key of an engine without the faults patched in (a clean case of this configuration)
+        key = ("config:switched:" if switched else "config:") + config_key(case, faults_switched=switched)
         for other in [k for k in self.engines if k.startswith("config:") and k != key]:
             self.engines.pop(other).close()
-        if key not in self.engines:
-            echo(f"{case.id}: starting candidate engine (kept open for cases of this configuration)")
-            self.engines[key] = open_engine(case, verbose=self.verbose)
+        self.kept = key in self.engines  # for the output: no start this time
+        if not self.kept:
+            echo(f"{case.id}: starting candidate engine (kept open for cases of this configuration"
+                 + (", faults switched in at runtime)" if switched else ")"))
+            opened = dataclasses.replace(case, env={**case.env, ENV_SWITCHABLE: "1"}) if switched else case
+            self.engines[key] = open_engine(opened, verbose=self.verbose)
+        elif switched:
+            echo(f"{case.id}: switching the kept engine to fault {parse_env(case.env).label}")
+            self.engines[key].switch_fault(case.env)
         engine = self.engines[key]
         engine.case, engine.prompts = case, list(casesmod.load_prompts(case))
+        engine.env = {str(k): str(v) for k, v in case.env.items()}
         return engine
 
     def close(self) -> None:
@@ -189,7 +219,9 @@ def generate_and_force(case, references: list[str], goldens: dict[str, Run], *, 
             engine = session.rebound(case, echo)
         else:
             engine = stack.enter_context(open_engine(case, verbose=verbose))
-        echo(f"{case.id}: engine up in {engine.timings['startup_s']:.1f}s; generating {len(engine.prompts)} prompts")
+        up = "engine kept from an earlier case" if session is not None and session.kept else \
+            f"engine up in {engine.timings['startup_s']:.1f}s"
+        echo(f"{case.id}: {up}; generating {len(engine.prompts)} prompts")
         cand = with_config(engine.generate(progress=progress.task(f"{case.id}: generating")), case)
         if cand.meta.role != "candidate":  # a reference re-run against its own golden: a run, never a golden
             cand = dataclasses.replace(cand, meta=dataclasses.replace(cand.meta, role="candidate"))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffcheck.cases.faults import ENV_FAULT, ENV_SWITCHABLE
 from diffcheck.engines import prompting
 from diffcheck.engines.base import Engine, ForcedRows, run_meta
 from diffcheck.engines.registry import register_engine
@@ -241,6 +242,8 @@ class VllmOffline(Engine):
                 "processes": self.processes,
                 "trace_replay_available": self.trace_replay,
             }
+            if self.env.get(ENV_SWITCHABLE) == "1":  # every CPU-lane fault patched in, one switched on per case
+                self._info["faults_switched_at_runtime"] = True
         except BaseException:
             self.close()  # nobody else holds this engine yet
             raise
@@ -396,6 +399,16 @@ class VllmOffline(Engine):
         seconds = time.perf_counter() - t0
         by_index = {i: tuple(int(t) for t in out.outputs[0].token_ids) for i, out in zip(runs, outputs)}
         return TimedGeneration(seconds=seconds, token_ids=tuple(by_index.get(i, ()) for i in range(len(prompt_ids))))
+
+    def switch_fault(self, env: dict[str, str]) -> None:
+        """Make the fault `env` selects (none: a clean engine) act in this engine's workers, which were
+        started with ``DIFFCHECK_SWITCHABLE_FAULTS=1`` (`diffcheck.faults.switch`): from the next
+        generation on it behaves as a fresh engine of that fault would, its decode-step clock
+        restarted and its prefix cache emptied (a cached block may hold what another fault wrote)."""
+        self.worker_rpc("diffcheck_fault_switch", {k: v for k, v in env.items() if k.startswith(ENV_FAULT)})
+        with captured_output(self.log_path):
+            if not self.llm.reset_prefix_cache():
+                raise EngineError(f"engine for case '{self.case.id}': vLLM would not empty its prefix cache")
 
     def worker_rpc(self, method: str, *args):
         """``LLM.collective_rpc(method)`` on the workers (a worker-extension method, by name): rank 0's answer."""

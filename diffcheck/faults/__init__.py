@@ -10,7 +10,10 @@ one of its processes (API/driver, engine core, workers) through the
 Contract:
 
 - Without DIFFCHECK_FAULT, `register()` returns at once: no patch and no import of
-  vLLM internals, so production runs are untouched.
+  vLLM internals, so production runs are untouched. diffcheck's own self-test engines may
+  set DIFFCHECK_SWITCHABLE_FAULTS=1 instead: every CPU-lane fault is patched in, each running
+  vLLM's code path unchanged until `switch()` makes it the active one (one engine serves the
+  fault cases of one configuration; `diffcheck.engines.session.EngineSession`).
 - An unknown fault or a bad option is a one-line `ConfigError`: when a suite loads
   (``diffcheck.cases`` checks each case's env with `spec.parse_env`, so ``diffcheck
   cases check`` refuses a typo), from `validate_env` (which the engine calls before
@@ -31,11 +34,12 @@ import importlib
 import os
 from collections.abc import Mapping
 
-from diffcheck.cases.faults import CATALOGUE, FAULTS, FaultSpec, describe, names_for_lane, parse_env, valid_names
+from diffcheck.cases.faults import (CATALOGUE, ENV_SWITCHABLE, FAULTS, FaultSpec, describe, names_for_lane, parse_env,
+                                    valid_names)
 
 __all__ = [
     "FAULTS", "CATALOGUE", "FaultSpec", "describe", "names_for_lane", "register", "validate_env", "valid_names",
-    "active_spec",
+    "active_spec", "switch",
 ]
 
 
@@ -56,17 +60,22 @@ def active_spec() -> FaultSpec | None:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: patch the selected fault into this process."""
+    """vLLM general-plugin entry point: patch the selected fault into this process.
+
+    With ``DIFFCHECK_SWITCHABLE_FAULTS=1`` every CPU-lane fault is patched in (each runs vLLM's own
+    code path unchanged until it is the active one) and the selected one, if any, is made active;
+    `switch` changes it later.
+    """
     spec = parse_env(os.environ)
-    if spec is None:
+    switchable = os.environ.get(ENV_SWITCHABLE, "").strip() == "1"
+    if spec is None and not switchable:
         return
     from diffcheck.faults import runtime
 
     state = runtime.STATE
-    if state.spec is not None:
-        if state.spec != spec:
-            # Patches close over their spec; a second, different fault in one process
-            # would leave the first one half in place.
+    if state.switchable or state.spec is not None:
+        if not state.switchable and state.spec != spec:
+            # Patches installed for one fault only; a second, different one would need its own.
             from diffcheck.core.errors import ConfigError
 
             other = spec.label if spec.label != state.spec.label else f"{spec.label} with other options"
@@ -75,10 +84,28 @@ def register() -> None:
                 f"cannot switch to {other!r} in the same process"
             )
         return
-    if spec.info.takes_step:  # a fault that acts from capture on needs no step count
-        runtime.install_clock(spec)
-    module = importlib.import_module(f"diffcheck.faults.{spec.info.module}")
-    module.install(spec)
-    state.installed.add(spec.name)
-    state.spec = spec
-    runtime.announce(spec)
+    infos = [info for info in CATALOGUE if info.lane == "cpu"] if switchable else [spec.info]
+    if any(info.takes_step for info in infos):  # a fault that acts from capture on needs no step count
+        runtime.install_clock(spec.label if spec is not None else "switchable faults")
+    for info in infos:
+        importlib.import_module(f"diffcheck.faults.{info.module}").install()
+        state.installed.add(info.name)
+    state.switchable = switchable
+    runtime.activate(spec)
+
+
+def switch(env: Mapping[str, str]) -> str | None:
+    """Make the fault `env` selects this process's active fault (None: none), in a process that
+    `register` set up with ``DIFFCHECK_SWITCHABLE_FAULTS=1``; its label, or None. A bad env, a
+    fault outside the CPU lane, or a process without every fault patched in is a one-line ConfigError."""
+    from diffcheck.core.errors import ConfigError
+    from diffcheck.faults import runtime
+
+    spec = parse_env(env)
+    if not runtime.STATE.switchable:
+        raise ConfigError(f"pid {os.getpid()} was not started with {ENV_SWITCHABLE}=1: its fault cannot be switched")
+    if spec is not None and spec.info.lane != "cpu":
+        raise ConfigError(f"fault {spec.label!r} cannot be switched in at runtime (lane {spec.info.lane}; valid: "
+                          f"{', '.join(names_for_lane('cpu'))})")
+    runtime.activate(spec)
+    return spec.label if spec is not None else None

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import FaultSpec
+
+NAME = "attn-noise"
 
 
 def generator_seed(step: int, layer: int, seed: int | None) -> int:
@@ -39,15 +40,17 @@ def generator_seed(step: int, layer: int, seed: int | None) -> int:
     return int(np.random.SeedSequence([seed, step, layer]).generate_state(1)[0])
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch the code path (once per process); it acts while `runtime.active(NAME)` is set."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     original = CPUAttentionBackendImpl.forward
-    scale = 0.0 if spec.fixed else float(spec.scale or 0.0)
-    seed = spec.seed
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        spec = runtime.active(NAME)
+        if spec is None:
+            return out
         layer_index = runtime.impl_layer_index(self, layer)
         if (
             attn_metadata is None
@@ -59,10 +62,10 @@ def install(spec: FaultSpec) -> None:
         num_tokens = int(attn_metadata.num_actual_tokens)
         rows = out[:num_tokens]
         gen = torch.Generator(device="cpu").manual_seed(
-            generator_seed(runtime.STATE.clock.step or 0, layer_index or 0, seed))
+            generator_seed(runtime.STATE.clock.step or 0, layer_index or 0, spec.seed))
         noise = torch.randn(rows.shape, generator=gen, dtype=torch.float32).to(rows.dtype)
         rms = rows.float().pow(2).mean(dim=-1, keepdim=True).sqrt().to(rows.dtype)
-        rows.add_(noise * rms * scale)
+        rows.add_(noise * rms * (0.0 if spec.fixed else float(spec.scale or 0.0)))
         return out
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]

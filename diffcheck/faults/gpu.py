@@ -60,7 +60,8 @@ def _announce_acting(spec: FaultSpec, *, capture: bool) -> None:
     runtime.write_marker("acting", step=runtime.STATE.clock.step, capture=capture)
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch vLLM's Triton metadata builder (once per process); it acts while `runtime.active(NAME)` is set."""
     if not _on_cuda():
         raise ConfigError(
             f"fault {NAME!r} needs CUDA (TritonAttentionMetadataBuilder under FULL decode CUDA graphs); "
@@ -68,18 +69,21 @@ def install(spec: FaultSpec) -> None:
         )
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
 
-    patch_builder(TritonAttentionMetadataBuilder, spec)
+    patch_builder(TritonAttentionMetadataBuilder)
 
 
-def patch_builder(cls, spec: FaultSpec) -> None:
-    """Patch `cls.build` and `cls.build_for_cudagraph_capture` with the fault (or its ``:fixed`` variant)."""
+def patch_builder(cls, spec: FaultSpec | None = None) -> None:
+    """Patch `cls.build` and `cls.build_for_cudagraph_capture` with the fault (or its ``:fixed`` variant):
+    `spec`, or this process's active fault where it is this one (`runtime.active`)."""
+    given = spec
     original = cls.build
     original_capture = cls.build_for_cudagraph_capture
     capturing = {"now": False}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False, **kwargs):
         md = original(self, common_prefix_len, common_attn_metadata, fast_build, **kwargs)
-        if common_attn_metadata.max_query_len != 1:
+        spec = given if given is not None else runtime.active(NAME)
+        if spec is None or common_attn_metadata.max_query_len != 1:
             return md
         _announce_acting(spec, capture=capturing["now"])
         if spec.fixed:

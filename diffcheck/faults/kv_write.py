@@ -19,16 +19,19 @@ DIFFCHECK_FAULT_LAYER (default 0) or in every layer (``all``).
 from __future__ import annotations
 
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import FaultSpec
+
+NAME = "kv-write-corruption"
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch the code path (once per process); it acts while `runtime.active(NAME)` is set."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     original = CPUAttentionBackendImpl.do_kv_cache_update
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        if not spec.layer_matches(runtime.impl_layer_index(self, layer)) or not runtime.acting(spec):
+        spec = runtime.active(NAME)
+        if spec is None or not spec.layer_matches(runtime.impl_layer_index(self, layer)) or not runtime.acting(spec):
             return original(self, layer, key, value, kv_cache, slot_mapping)
         # The staged write: what lands in the value slot. The bug hands over the key.
         value_source = value if spec.fixed else key

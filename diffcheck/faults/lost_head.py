@@ -22,17 +22,21 @@ from __future__ import annotations
 import torch
 
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import FaultSpec
+
+NAME = "lost-head"
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch the code path (once per process); it acts while `runtime.active(NAME)` is set."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     original = CPUAttentionBackendImpl.forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        spec = runtime.active(NAME)
         if (
-            attn_metadata is None
+            spec is None
+            or attn_metadata is None
             or attn_metadata.max_query_len != 1
             or not spec.layer_matches(runtime.impl_layer_index(self, layer))
             or not runtime.acting(spec)

@@ -21,21 +21,23 @@ RoPE runs inside the model's traced region: the fault is meant for eager engines
 from __future__ import annotations
 
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import FaultSpec
+
+NAME = "rope-offset"
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch the code path (once per process); it acts while `runtime.active(NAME)` is set."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     for method_name in ("forward_cpu", "forward_native"):
-        setattr(RotaryEmbedding, method_name, _wrap(getattr(RotaryEmbedding, method_name), spec))
+        setattr(RotaryEmbedding, method_name, _wrap(getattr(RotaryEmbedding, method_name)))
 
 
-def _wrap(original, spec: FaultSpec):
-    offset = 0 if spec.fixed else int(spec.offset or 0)
-
+def _wrap(original):
     def forward(self, positions, query, key=None):
-        if runtime.acting(spec):
+        spec = runtime.active(NAME)
+        if spec is not None and runtime.acting(spec):
+            offset = 0 if spec.fixed else int(spec.offset or 0)
             last = int(self.cos_sin_cache.shape[0]) - 1  # positions index the cos/sin cache
             positions = (positions + offset).clamp(min=0, max=last)
         return original(self, positions, query, key)

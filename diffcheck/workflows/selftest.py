@@ -59,6 +59,20 @@ def labelled_cases(suite, *, include=None, exclude_tags=casesmod.NOT_BY_DEFAULT)
     return chosen
 
 
+def in_engine_order(chosen: list) -> list:
+    """`chosen` with the cases that can share one kept engine next to each other (the same
+    configuration, a switchable fault aside: `engines.session.fault_switchable`), each group where
+    its first case stands; the output still reports the cases in file order."""
+    from diffcheck.engines import session as sessionmod
+
+    keys = [sessionmod.config_key(c, faults_switched=sessionmod.fault_switchable(c)) for c in chosen]
+    first: dict[str, int] = {}
+    for key in keys:
+        first.setdefault(key, len(first))
+    order = sorted(range(len(chosen)), key=lambda i: first[keys[i]])
+    return [chosen[i] for i in order]
+
+
 def outcome(case, verdict, *, strict: bool = False) -> Outcome:
     exp = case.expect
     label = {Verdict.GIBBERISH: CLASSES[0], Verdict.DEGRADED: CLASSES[1]}.get(
