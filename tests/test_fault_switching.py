@@ -133,3 +133,12 @@ def test_switch_refuses_a_process_not_started_switchable_and_a_gpu_fault(fresh_s
     assert faults.switch({"DIFFCHECK_FAULT": "lost-head:fixed"}) == "lost-head:fixed"
     assert runtime.active("lost-head").fixed
     assert faults.switch({}) is None and fresh_state.spec is None
+
+
+def test_a_switchable_process_refuses_a_gpu_fault_at_registration(fresh_state, monkeypatch):
+    """Only CPU-lane faults are patched into a switchable process: a GPU fault would silently never act."""
+    monkeypatch.setenv(ENV_SWITCHABLE, "1")
+    monkeypatch.setenv("DIFFCHECK_FAULT", "seq-lens-copy")
+    with pytest.raises(ConfigError, match="cannot be switched in at runtime"):
+        faults.register()
+    assert fresh_state.spec is None and not fresh_state.installed

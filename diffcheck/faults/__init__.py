@@ -84,6 +84,11 @@ def register() -> None:
                 f"cannot switch to {other!r} in the same process"
             )
         return
+    if switchable and spec is not None and spec.info.lane != "cpu":
+        from diffcheck.core.errors import ConfigError
+
+        raise ConfigError(f"fault {spec.label!r} cannot be switched in at runtime (lane {spec.info.lane}): "
+                          f"start its engine without {ENV_SWITCHABLE}")
     infos = [info for info in CATALOGUE if info.lane == "cpu"] if switchable else [spec.info]
     if any(info.takes_step for info in infos):  # a fault that acts from capture on needs no step count
         runtime.install_clock(spec.label if spec is not None else "switchable faults")
