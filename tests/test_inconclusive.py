@@ -7,6 +7,7 @@ re-judged with and without their forced/scored files (labels from the suite's `e
 from __future__ import annotations
 
 from click.testing import CliRunner
+import numpy as np
 
 from diffcheck.core.errors import EXIT_BISECT_SKIP, EXIT_ENGINE, EXIT_INCONCLUSIVE, EXIT_PASS, EXIT_REGRESSION
 from diffcheck.core.types import Verdict, describe, exit_code, fails, passes
@@ -184,6 +185,30 @@ def test_a_short_identical_sequence_that_is_bitwise_the_reference_is_identical()
     run = make_run([[5, 6, 7, 8]], k=4, suite="s", case_id="J", role="reference")
     cand = make_run([[5, 6, 7, 8]], k=4, suite="s", case_id="J", role="candidate")
     assert compare_runs(run, cand).verdict is Verdict.IDENTICAL
+
+
+def test_a_generate_whose_logprobs_moved_is_never_called_exactly_the_reference():
+    """Same tokens, other generate logprobs, a forced replay bitwise the golden's: the sequence is not
+    judged by the "every step exactly the reference's" shortcut, and its evidence says the generate moved."""
+    from factories import make_run
+    from diffcheck.judging.classify import compare_runs
+
+    tokens = [[5, 6, 7, 8] * 16]
+    import dataclasses
+
+    ref = make_run(tokens, k=4, suite="s", case_id="J", role="reference")
+    same = make_run(tokens, k=4, suite="s", case_id="C", role="candidate")
+    forced = make_run(tokens, k=4, suite="s", case_id="C", role="candidate", kind="forced")
+    top = same.steps.topk_logprobs.copy()
+    top[10:20, 0] -= 0.01  # a bf16-sized move of the sampled token's logprob at ten steps
+    moved = dataclasses.replace(same, steps=dataclasses.replace(same.steps, topk_logprobs=top,
+                                                               logprob=top[:, 0].copy()))
+    assert not np.array_equal(ref.steps.logprob, moved.steps.logprob)
+    sv = compare_runs(ref, moved, forced=forced).sequences[0]
+    assert not any("exactly the reference's" in e for e in sv.evidence), sv.evidence
+    assert any(e.startswith("generate: the golden's tokens with other logprobs") for e in sv.evidence), sv.evidence
+    sv = compare_runs(ref, same, forced=forced).sequences[0]
+    assert sv.verdict is Verdict.IDENTICAL and any("exactly the reference's" in e for e in sv.evidence)
 
 
 # ---------------------------------------------------------------- the H200 recordings, re-judged offline

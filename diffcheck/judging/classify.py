@@ -234,8 +234,11 @@ def compare_runs(
         # whole sequence and so is every number on the path the decision reads (KL 0 and Δ 0 at
         # every step), whatever the length: there is no effect to bound. Anything else, however
         # close, goes through the two one-sided tests (`judge`), where few steps are thin.
-        path = fpath if fpath is not None else pre
-        plain = (path.agg.kl_max == 0) & (path.agg.dlogprob_abs_max == 0)
+        # Both paths: a generate whose logprobs moved on the golden's tokens is not "exactly the
+        # reference's" even where the forced replay is (the judge says which moved).
+        plain = (pre.agg.kl_max == 0) & (pre.agg.dlogprob_abs_max == 0)
+        if fpath is not None:
+            plain &= (fpath.agg.kl_max == 0) & (fpath.agg.dlogprob_abs_max == 0)
         fast = ((al.t_star < 0) & pre.agg.ok & (fpath.agg.ok if fpath is not None else True) & plain).tolist()
         out = _sequence_verdicts(judge, fast=fast, layouts=(ref, cand, scored_layout), exact=exact, close=close)
         if pool is not None:

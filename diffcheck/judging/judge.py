@@ -283,6 +283,11 @@ class Judge:
                 notes += floor_text
         else:
             notes += floor_text
+        if t is None and self.forced_path is not None and len(before.kl) and (
+                float(before.kl.max()) > 0 or float(np.abs(before.dlogprob).max()) > 0):
+            notes.append(f"generate: the golden's tokens with other logprobs (max KL {float(before.kl.max()):.2g}, "
+                         f"max |Δlogprob| {float(np.abs(before.dlogprob).max()):.2g}); the decision reads the "
+                         "forced replay")
         if verdict is Verdict.INCONCLUSIVE:
             stats["inconclusive"] = undecided
             failures.insert(0, "inconclusive: " + "; ".join(undecided))
