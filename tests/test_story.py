@@ -17,7 +17,9 @@ come from the wheel too.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -26,30 +28,48 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "diffcheck", "kernels", "cases")  # what the wheel is built from
+DOCS = ROOT / "docs" / "integration.md"
+MODEL_IN_DOCS = "/path/to/model"
 
-PYTEST_FILE = """
-    import os
+# What vLLM returned, for the outer test to hold the golden against: the inner project's own
+# conftest.py records every LLM.generate (the example itself stays as the docs write it).
+RECORDER = """
+    import json
 
     import vllm
 
-    MODEL = %(model)r
+    _generate = vllm.LLM.generate
 
 
-    def test_starter_prompts(llm_golden):
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        llm = vllm.LLM(model=MODEL, dtype="float32", enforce_eager=True, max_model_len=512,
-                       gpu_memory_utilization=0.3, seed=0, enable_prefix_caching=False, disable_log_stats=True)
-        params = vllm.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, top_k=20, seed=7, logprobs=5)
-        outputs = llm.generate(["Name three rivers.", "What is a write-ahead log?"], params)
-        llm.llm_engine.engine_core.shutdown()  # vLLM 0.32's LLM has no shutdown of its own
-        llm_golden.check(outputs)
+    def _recorded(self, *args, **kwargs):
+        outputs = _generate(self, *args, **kwargs)
+        dump = [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
+                 "text": o.outputs[0].text,
+                 "logprobs": [{str(t): [lp.logprob, lp.rank] for t, lp in step.items()}
+                              for step in o.outputs[0].logprobs]} for o in outputs]
+        with open("vllm_outputs.json", "w") as f:
+            json.dump(dump, f)
+        return outputs
+
+
+    vllm.LLM.generate = _recorded
 """
+
+
+def docs_example() -> str:
+    """The pytest example of docs/integration.md's llm_golden section, as written there."""
+    text = DOCS.read_text()
+    section = text[text.index("## The pytest fixture `llm_golden`"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block and block.group(1).count(MODEL_IN_DOCS) == 1, "the docs' example names one model path"
+    return block.group(1)
 
 
 TIMINGS: dict[str, float] = {}  # seconds per step, printed at the end (pytest -s or -rP shows them)
@@ -143,17 +163,51 @@ def test_a_project_anywhere(venv, model_path, tmp_path):
     assert exported.returncode == 0 and (repo / "J.csv").read_text().startswith("seq,prompt_id,step,token_id,logprob,"), \
         _show(exported)
 
+    # docs/integration.md's pytest example, as written there (the model path filled in), run twice with
+    # vLLM's default processes; the project's conftest.py records what vLLM returned, for the golden to be
+    # held against. The example sets the KV cache size it needs itself.
     tests = repo / "tests"
     tests.mkdir()
-    (tests / "test_llm.py").write_text(textwrap.dedent(PYTEST_FILE % {"model": model_path}))
-    argv = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
-    # vLLM's engine core in the test's own process: one vLLM import per run instead of two. The docs'
-    # example runs with vLLM's default processes in tests/test_pytest_plugin.py; here the point is the wheel.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    first = _run(argv, cwd=repo, env=env)
-    golden = tests / "test_llm" / "test_starter_prompts.parquet"
-    assert first.returncode == 1 and f"llm_golden: no golden {golden}; wrote it" in first.stdout, _show(first)
-    assert golden.is_file()
-    second = _run(argv, cwd=repo, env=env)
+    (tests / "conftest.py").write_text(textwrap.dedent(RECORDER))
+    (tests / "test_llm.py").write_text(docs_example().replace(MODEL_IN_DOCS, model_path))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    argv = [python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests"]
+    golden_path = tests / "test_llm" / "test_generation.parquet"
+    first = _run(argv, cwd=repo, env=env, timeout=540)
+    assert first.returncode == 1 and "1 failed" in first.stdout and "passed" not in first.stdout, _show(first)
+    dump = json.loads((repo / "vllm_outputs.json").read_text())
+    n_tokens = sum(len(d["token_ids"]) for d in dump)
+    assert (f"llm_golden: no golden {golden_path}; wrote it from this run (2 sequences, {n_tokens} tokens)"
+            in first.stdout), _show(first)
+    second = _run(argv, cwd=repo, env=env, timeout=540)
     assert second.returncode == 0 and "1 passed" in second.stdout, _show(second)
+    for run in (first, second):
+        assert "Logging error" not in run.stdout + run.stderr, _show(run)
+        assert "I/O operation on closed file" not in run.stdout + run.stderr, _show(run)
+    # what a user commits: the golden and its manifest, no lock file, no obtained run
+    new = _run(["git", "ls-files", "--others", "--exclude-standard", "tests/test_llm"], cwd=repo, env=env)
+    assert sorted(new.stdout.split()) == ["tests/test_llm/MANIFEST.json", "tests/test_llm/test_generation.parquet"], \
+        _show(new)
+    assert not list(repo.rglob("*.lock")), list(repo.rglob("*.lock"))
+    assert not (tests / "test_llm" / "test_generation.obtained.parquet").exists()
+    assert_golden_is_what_vllm_returned(golden_path, dump, k=20)  # the example's logprobs=20
     print("story timings (s): " + ", ".join(f"{k}: {v:.0f}" for k, v in TIMINGS.items()))
+
+
+def assert_golden_is_what_vllm_returned(golden_path: Path, dump: list[dict], *, k: int) -> None:
+    """The golden holds exactly what vLLM returned (logprobs within the codec's bound: 2^-7 + 2^-11 of |logprob|)."""
+    from diffcheck.storage import store
+
+    golden = store.read_run(golden_path)
+    assert [s.prompt_id for s in golden.sequences] == [str(i) for i in range(len(dump))]
+    assert golden.steps.k == k
+    for i, want in enumerate(dump):
+        seq = golden.sequence(i)
+        assert seq.info.prompt_token_ids == tuple(want["prompt_token_ids"]) and seq.info.text == want["text"]
+        assert seq.token_id.tolist() == want["token_ids"] and 0 < len(want["token_ids"]) <= 32
+        for t, step in enumerate(want["logprobs"]):
+            own = step[str(want["token_ids"][t])][0]
+            assert abs(seq.logprob[t] - own) <= (2 ** -7 + 2 ** -11) * abs(own) + 1e-6
+            ranked = sorted((rank, int(tid), lp) for tid, (lp, rank) in step.items() if rank <= k)
+            assert seq.topk_ids[t].tolist() == [tid for _, tid, _ in ranked]
+            assert np.allclose(seq.topk_logprobs[t], [lp for _, _, lp in ranked], rtol=2 ** -7 + 2 ** -11, atol=1e-6)
