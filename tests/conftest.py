@@ -102,12 +102,12 @@ def engine_pool(engine):
 # processing-time order): the short files come last and fill in whichever worker ends first.
 # Serial seconds per file (--durations=0 of a `make test` on 2026-12-07, the machine loaded by other
 # engine runs): engine kinds 466, bisect 372, reduce 346, check 327, matrix 261, engine 216, story
-# 178, progress 145, pytest plugin 137, (selftest-)localize 116, selftest 109, TP 107, faults 245
-# (before its ten faults shared one engine: 3 engine starts instead of 11). Files not named here: those with
-# engine-marked tests next, then the rest, each group by test count.
+# 178 (since, it also runs the pytest plugin's docs example), progress 145, (selftest-)localize 116,
+# selftest 109, TP 107, faults 245 (before its ten faults shared one engine: 3 engine starts instead of 11).
+# Files not named here: those with engine-marked tests next, then the rest, each group by test count.
 HEAVIEST_FIRST = (
     "test_engine_kinds.py", "test_bisect.py", "test_reduce_engine.py", "test_check_engine.py",
-    "test_matrix_engine.py", "test_engine.py", "test_story.py", "test_progress.py", "test_pytest_plugin.py",
+    "test_matrix_engine.py", "test_engine.py", "test_story.py", "test_progress.py",
     "test_selftest_localize_engine.py", "test_selftest_engine.py", "test_tp_engine.py", "test_faults_engine.py",
     "test_golden_engine.py", "test_until_decided_engine.py", "test_taps_engine.py",
     "test_cross_hardware_scoring.py", "test_calibrate_engine.py", "test_kill_anywhere.py",
