@@ -210,7 +210,7 @@ def test_other_log_lines_announce_no_phase(line):
 
 # -- bisect ---------------------------------------------------------------------------------------
 
-STEP_SLEEP_S = 6  # each step is a silence of its command, seconds long: the display must go on through it
+STEP_SLEEP_S = 4  # each step is a silence of its command, seconds long: the display must go on through it
 
 
 @pytest.fixture
