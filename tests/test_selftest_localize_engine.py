@@ -6,8 +6,8 @@ workflow in layer 17, a benign batch variant and a compiled case. The rows say l
 nothing for the batch variant, and the compiled case is skipped with its reason; the reference and
 its floor were captured once for all rows. `diffcheck localize` of M5 afterwards finds every capture
 stored and starts no engine; its answer says the fault is in that attention, not inherited, and
-that what follows it inherits it. Five engine starts: J (golden and capture), J's restart replica,
-M5, M5.layer17, S1."""
+that what follows it inherits it. Four engine starts: J (golden and capture), J's restart replica,
+M5 (M5.layer17's fault is switched into M5's engine: one eager configuration), S1."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def selftested(tmp_path_factory):
     root = folder / "goldens"
     restart = tuple(p for p in calibrate.PERTURBATIONS if p.name == "restart")  # 2 prompts: batch3/5 = J's shape
     lines: list[str] = []
-    with sessionmod.EngineSession(taps=True) as session:
+    with sessionmod.EngineSession(taps=True, switch_faults=True) as session:
         golden = sessionmod.generate(suite.cases["J"], session=session, echo=lambda _: None)
         workspace.store_golden(root, suite.cases["J"], golden)
         report = stl.run(suite, root=root, layers=(17,), perturbations=restart, session=session, echo=lines.append)
@@ -66,6 +66,16 @@ def selftested(tmp_path_factory):
     print("M5", first and (first.step, first.site, first.ratio, first.inherited), m5.timings)
     return SimpleNamespace(report=report, still_open=still_open, lines=lines, suite=suite, m5=m5, captures=captures,
                            opened=opened)
+
+
+def test_the_layer_variant_switches_its_fault_into_the_engine_of_its_case(selftested):
+    """M5.layer17 differs from M5 only in its fault's layer: it gets M5's engine with its own fault switched
+    in (and its row above names layer 17, not M5's layer 5); S1, a clean case, gets an engine of its own."""
+    lines = selftested.lines
+    starts = [line for line in lines if line.startswith("starting engine ")]
+    assert [line.split()[2] for line in starts] == ["J.floor-restart", "M5", "S1"], starts  # J: the golden's
+    assert "faults switched in at runtime" in starts[1] and "switched" not in starts[2]
+    assert sum("M5.layer17: switching the kept engine to fault lost-head" in line for line in lines) == 1, lines
 
 
 def test_the_rows_name_the_faulty_layers_and_nothing_for_the_benign_variant(selftested):

@@ -117,16 +117,46 @@ class EngineSession:
         self.engines: dict[str, Any] = {}
         self.kept = False  # whether the last `rebound` found its engine open already
 
+    def key(self, case) -> str:
+        """What `get` keeps `case`'s engine under: its id, or with ``switch_faults`` and a switchable
+        fault (`fault_switchable`) the engine its configuration's fault cases share."""
+        if self.switch_faults and fault_switchable(case):
+            return "switched:" + config_key(case, faults_switched=True)
+        return case.id
+
     def get(self, case, echo: Echo = print, *, key: str | None = None):
         """The open engine of `case`, started on first use (with `exclusive`, once the others are closed).
-        `key`: what it is kept under, where it is not the case's own engine (default: the case id)."""
-        key = key or case.id
+        `key`: what it is kept under, where it is not the case's own engine (default: `EngineSession.key`;
+        an engine kept under a switched key gets `case`'s fault switched in, as in `rebound`)."""
+        switched = key is None and self.key(case) != case.id
+        key = key or self.key(case)
+        if key not in self.engines and self.exclusive:
+            self.close()
+        kept = " (kept open for this command" + (", faults switched in at runtime)" if switched else ")")
+        return self._open_or_switch(key, case, switched, echo, f"starting engine {case.id if switched else key}"
+                                    + ("" if self.exclusive else kept), taps=self.taps)
+
+    def _open_or_switch(self, key: str, case, switched: bool, echo: Echo, starting: str, *, taps: bool = False):
+        """The engine under `key`: started for `case` (with every CPU-lane fault patched in where
+        `switched`) and announced with `starting`, or, kept and `switched`, with `case`'s fault switched in."""
         if key not in self.engines:
-            if self.exclusive:
-                self.close()
-            echo(f"starting engine {key}" + ("" if self.exclusive else " (kept open for this command)"))
-            self.engines[key] = open_engine(case, verbose=self.verbose, taps=self.taps)
+            echo(starting)
+            opened = dataclasses.replace(case, env={**case.env, ENV_SWITCHABLE: "1"}) if switched else case
+            self.engines[key] = open_engine(opened, verbose=self.verbose, taps=taps)
+        elif switched:
+            echo(f"{case.id}: switching the kept engine to fault {parse_env(case.env).label}")
+            self.engines[key].switch_fault(case.env)
         return self.engines[key]
+
+    def release(self, case, keep_for=None) -> None:
+        """Close the engine `get` gave `case`, unless `keep_for` (the next case) would get the same one."""
+        key = self.key(case)
+        if keep_for is not None and self.key(keep_for) == key:
+            return
+        engine = self.engines.pop(key, None)
+        if engine is not None:
+            progress.activity(f"{case.id}: shutting the engine down")
+            engine.close()
 
     def rebound(self, case, echo: Echo = print):
         """An open engine built from `case`'s configuration (model, engine table, env) and bound to
@@ -144,15 +174,9 @@ class EngineSession:
         for other in [k for k in self.engines if k.startswith("config:") and k != key]:
             self.engines.pop(other).close()
         self.kept = key in self.engines  # for the output: no start this time
-        if not self.kept:
-            echo(f"{case.id}: starting candidate engine (kept open for cases of this configuration"
-                 + (", faults switched in at runtime)" if switched else ")"))
-            opened = dataclasses.replace(case, env={**case.env, ENV_SWITCHABLE: "1"}) if switched else case
-            self.engines[key] = open_engine(opened, verbose=self.verbose)
-        elif switched:
-            echo(f"{case.id}: switching the kept engine to fault {parse_env(case.env).label}")
-            self.engines[key].switch_fault(case.env)
-        engine = self.engines[key]
+        engine = self._open_or_switch(key, case, switched, echo,
+                                      f"{case.id}: starting candidate engine (kept open for cases of this "
+                                      f"configuration{', faults switched in at runtime' if switched else ''})")
         engine.case, engine.prompts = case, list(casesmod.load_prompts(case))
         engine.env = {str(k): str(v) for k, v in case.env.items()}
         return engine

@@ -15,9 +15,11 @@ For each labelled case of the suite (``expect`` in its case file):
   localize only against the floor), faults that need graphs this lane does not replay, and
   cases tagged slow or gpu unless named.
 
-One `EngineSession(taps=True)` and one ``captures`` dict for the whole run, so the reference and
-its floor replicas are started and captured once per captured window; each candidate's engine is
-closed once its row is done. Localize forces only T + 1 tokens per sequence. Writes nothing.
+One `EngineSession(taps=True, switch_faults=True)` and one ``captures`` dict for the whole run, so
+the reference and its floor replicas are started and captured once per captured window; each
+candidate's engine is closed once its row is done, unless the next row's fault switches into it
+(a fault and its layer variants in one eager configuration share one engine, as the self-test's
+fault cases do). Localize forces only T + 1 tokens per sequence. Writes nothing.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def run(suite, *, root: Path, include=None, layers: tuple[int, ...] | None = Non
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if session is None:
-            session = stack.enter_context(sessionmod.EngineSession(verbose=verbose, taps=True))
+            session = stack.enter_context(sessionmod.EngineSession(verbose=verbose, taps=True, switch_faults=True))
         n = 0
         for k, item in enumerate(items):
             if item.skip:
@@ -260,11 +262,8 @@ def run(suite, *, root: Path, include=None, layers: tuple[int, ...] | None = Non
                                 captured=report.timings)
             except EngineError as exc:
                 rows[k] = failed(item, f"engine failure: {exc}")
-            finally:
-                engine = session.engines.pop(item.case.id, None)  # the candidate's engine: done with it
-                if engine is not None:
-                    progress.activity(f"{item.case.id}: shutting the engine down")
-                    engine.close()
+            finally:  # the candidate's engine: done with it, unless the next row's fault switches into it
+                session.release(item.case, keep_for=next((i.case for i in items[k + 1:] if not i.skip), None))
             row = rows[k]
             echo(f"[{n}/{len(todo)}] {item.case.id}: named {row.named or '-'}: {'ok' if row.ok else 'NOT ok'}")
         progress.stage(None)
