@@ -7,7 +7,7 @@ third probe and run again: J, the eager fp32 reference;
 E, J with the stale-metadata fault from decode step 4 and max_num_seqs = 2 (a key the failure
 does not need). The script runs in a fresh interpreter of this venv; it imports only vLLM, and
 the fault acts through diffcheck's vLLM plugin, which this venv has installed (a real bug would
-need vLLM alone). At most one engine runs at a time (run under flock /tmp/diffcheck-engine.lock).
+need vLLM alone). Within this module at most one engine runs at a time.
 """
 
 from __future__ import annotations
