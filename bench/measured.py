@@ -179,7 +179,8 @@ def gpu_capture_lines() -> list[str]:
     path = found[-1]
     data = json.loads(path.read_text())
     out = ["", f"Logprob capture and time to verdict, recorded on the GPU lane: `{path.relative_to(ROOT)}`, "
-               f"{data['repeats']} rounds side by side in one process (docs/gpu.md names the card and the command). "
+               f"{data['repeats']} rounds side by side in one process, each timed call decoding "
+               f"{data.get('copies', 1)}x the suite's prompts (docs/gpu.md names the card and the command). "
                "Overheads are shares of the no-logprobs time.", "",
            "| case | graph mode | no logprobs tok/s | device capture, best of rounds | device capture, ratio of medians "
            "| vLLM's path, best of rounds | time to verdict / bare generate | verdicts |",
