@@ -189,6 +189,16 @@ def test_a_local_cluster_listens_on_loopback_only(ray_cluster):
     assert not wild, wild
 
 
+def test_a_local_clusters_workers_run_at_the_drivers_priority(ray_cluster):
+    """Ray's default worker niceness (15) starved engines in tasks beside any busy process."""
+
+    def niceness():
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    task = ray_cluster.remote(niceness).options(num_cpus=0.5)
+    assert ray_cluster.get(task.remote(), timeout=120) == niceness()
+
+
 def test_a_task_that_dies_twice_is_an_error_not_a_verdict(ray_cluster, tmp_path):
     from diffcheck.workflows import matrix_ray
 

@@ -46,8 +46,13 @@ def _import_ray():
 
 
 def local_cluster_env() -> dict[str, str]:
-    """What a local, loopback-only cluster needs in the environment before ray is imported."""
-    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    """What a local, loopback-only cluster needs in the environment before ray is imported.
+
+    ``RAY_worker_niceness=0``: Ray starts its workers at niceness 15 by default, so an engine in a
+    task of a local cluster got almost no CPU beside any other busy process (the Ray matrix test took
+    409 s instead of 76 s beside one CPU hog and a second test worker). Workers of a cluster that
+    diffcheck starts run at the driver's priority, as the sequential matrix's engines do."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 
 def connect(address: str = LOCAL, *, num_cpus: int | None = None, object_store_mb: int = 128) -> Any:
