@@ -28,11 +28,11 @@ O3 at TP1 and TP3), one engine at a time:
     without logprobs timed right after it.
 
 Every timed generation starts from an empty prefix cache (``LLM.reset_prefix_cache``), as a
-fresh engine's first generation does: a re-generation that hits the cache prefills only part
-of each prompt, which moves bf16 numerics, so a candidate that is the reference's own
-configuration drifted from its own warm-up in every round (round 7, an H100). Round 8 emptied the
-cache and the drift stayed in 7 or 8 of 10 rounds: generations under FULL decode graphs are not
-bit-reproducible there, cache or not (docs/gpu.md). The reset stays: it is what a fresh engine sees.
+fresh engine's first generation does. After round 7 (an H100), where a candidate that is the
+reference's own configuration drifted from its own warm-up in every round, partial prefills from
+a warm cache were the suspect. Round 8 emptied the cache and the drift stayed in 7 or 8 of 10
+rounds: generations under FULL decode graphs are not bit-reproducible there, cache or not
+(docs/gpu.md). The reset stays: it is what a fresh engine sees.
 ``--copies N`` runs the suite's prompts N times in each timed capture-overhead call (more
 tokens per call: the calls' own jitter, 10-25 % at 1024 tokens, weighs less).
 
