@@ -27,7 +27,13 @@ def _req(prompt, tokens, *, base=0.0):
 
 
 def _answer(*reqs):
-    return {"k": K, "unsampled": 0, "requests": list(reqs)}
+    """The worker's answer: rows grouped by request, each field one buffer of raw int32/float32 bytes."""
+    def raw(key, dtype):
+        return np.asarray([v for r in reqs for v in r[key]], dtype).tobytes()
+
+    return {"k": K, "unsampled": 0, "prompts": [r["prompt"] for r in reqs], "counts": [len(r["tokens"]) for r in reqs],
+            "tokens": raw("tokens", np.int32), "logprob": raw("logprob", np.float32),
+            "topk_ids": raw("topk_ids", np.int32), "topk_logprobs": raw("topk_logprobs", np.float32)}
 
 
 def test_rows_of_a_chunked_prefill_and_an_extra_step_after_a_stop_are_left_out():
@@ -59,6 +65,11 @@ def test_an_output_without_rows_is_an_engine_error():
 def test_an_empty_output_gets_empty_arrays():
     got = steps_for(_answer(_req([1], [4])), [[1]], [[]], K, case_id="c")
     assert got[0]["topk_ids"].shape == (0, K)
+
+
+def test_a_request_shorter_than_the_output_does_not_answer_it():
+    with pytest.raises(EngineError, match="no rows for output 0"):
+        steps_for(_answer(_req([1], [2, 3])), [[1]], [[2, 3, 4, 5]], K, case_id="c")
 
 
 def test_the_device_capture_gives_vllms_own_logprobs_bit_for_bit(engine):

@@ -13,8 +13,9 @@ same numbers without it:
   buffer is full, and at the end, it runs the ops vLLM's sampler runs for
   ``logprobs_mode = "raw_logprobs"`` (``log_softmax(dtype=float32)``, ``topk``, a
   ``gather`` of the sampled token) over every buffered row at once (`_Chunks`). Nothing is
-  copied to the host and no Python object is built per request. ``diffcheck_capture_collect()`` unwraps,
-  concatenates every step and copies each array to the host once.
+  copied to the host and no Python object is built per step. ``diffcheck_capture_collect()`` unwraps,
+  concatenates every step, groups the rows by request and copies each array to the host once, as raw
+  bytes (`requests_of` reads them back).
 - `steps_for` (this process): matches what came back to vLLM's outputs (by prompt and
   sampled tokens: the engine's request ids are not the caller's) and returns per-output
   dense arrays, the layout of `vllm_outputs.steps_from_logprobs`.
@@ -81,25 +82,50 @@ class CaptureWorker:
             return None
         self.model_runner.__dict__.pop("_sample", None)
         state.flush()
-        answer = {"k": state.k, "unsampled": state.unsampled, "requests": []}
+        answer = {"k": state.k, "unsampled": state.unsampled, "prompts": [], "counts": [],
+                  "tokens": b"", "logprob": b"", "topk_ids": b"", "topk_logprobs": b""}
         if not state.done:
             return answer
-        import torch
-
-        # One host copy per array for the whole run. Plain lists: vLLM's RPC answer carries no typed arrays.
-        tokens = torch.cat([d[0] for d in state.done])[:, 0].tolist()
-        own = torch.cat([d[1] for d in state.done])[:, 0].tolist()
-        values = torch.cat([d[2] for d in state.done]).tolist()
-        ids = torch.cat([d[3] for d in state.done]).tolist()
-        rows: dict[str, list[int]] = {}
-        for row, rid in enumerate(state.req_rows):
-            rows.setdefault(rid, []).append(row)
-        for rid, picked in rows.items():
-            answer["requests"].append({
-                "prompt": state.prompts.get(rid, ""), "tokens": [tokens[r] for r in picked],
-                "logprob": [own[r] for r in picked], "topk_ids": [ids[r] for r in picked],
-                "topk_logprobs": [values[r] for r in picked]})
+        # One host copy per array for the whole run; rows grouped by engine request, in step order within
+        # each, and sent as raw bytes (a list of Python numbers per row cost more than the capture did).
+        names: dict[str, int] = {}
+        codes = np.fromiter((names.setdefault(rid, len(names)) for rid in state.req_rows), np.int64,
+                            len(state.req_rows))
+        order = np.argsort(codes, kind="stable")
+        sampled, own, values, ids = (_host([d[i] for d in state.done]) for i in range(4))
+        answer.update(
+            prompts=[state.prompts.get(rid, "") for rid in names], counts=np.bincount(codes).tolist(),
+            tokens=_raw(sampled[order, 0], np.int32), logprob=_raw(own[order, 0], np.float32),
+            topk_ids=_raw(ids[order], np.int32), topk_logprobs=_raw(values[order], np.float32))
         return answer
+
+
+def _host(parts: list) -> np.ndarray:
+    """Device tensors, concatenated, on the host (one copy)."""
+    import torch
+
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
+
+
+def _raw(array: np.ndarray, dtype) -> bytes:
+    """An array's values as C-ordered bytes of `dtype`."""
+    return np.ascontiguousarray(array, dtype).tobytes()
+
+
+def requests_of(answer: dict) -> list[dict]:
+    """`CaptureWorker.diffcheck_capture_collect`'s answer, per engine request: its prompt key and its rows'
+    sampled tokens, own logprobs, top-k ids and top-k logprobs as arrays (views of one buffer each)."""
+    k, counts = int(answer["k"]), [int(c) for c in answer["counts"]]
+    n = sum(counts)
+    arrays = {"tokens": np.frombuffer(answer["tokens"], np.int32).reshape(n),
+              "logprob": np.frombuffer(answer["logprob"], np.float32).reshape(n),
+              "topk_ids": np.frombuffer(answer["topk_ids"], np.int32).reshape(n, k),
+              "topk_logprobs": np.frombuffer(answer["topk_logprobs"], np.float32).reshape(n, k)}
+    out, start = [], 0
+    for prompt, count in zip(answer["prompts"], counts):
+        out.append({"prompt": prompt, **{key: a[start:start + count] for key, a in arrays.items()}})
+        start += count
+    return out
 
 
 class _Chunks:
@@ -179,11 +205,11 @@ def steps_for(answer: dict, prompts: Sequence[Sequence[int]], outputs: Sequence[
     if answer is None or int(answer.get("k", -1)) != int(k):
         raise EngineError(f"case '{case_id}': the device capture was not armed for top-{k} logprobs")
     pool: dict[str, list[dict]] = {}
-    for req in answer["requests"]:
+    for req in requests_of(answer):
         pool.setdefault(req["prompt"], []).append(req)
     parts = []
     for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
-        tokens = [int(t) for t in tokens]
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
         candidates = pool.get(prompt_key(prompt), [])
         for j, req in enumerate(candidates):
             start = _run_start(req["tokens"], tokens)
@@ -195,19 +221,18 @@ def steps_for(answer: dict, prompts: Sequence[Sequence[int]], outputs: Sequence[
                               f"({len(tokens)} tokens; {answer.get('unsampled', 0)} steps were not sampled by "
                               "the wrapped sampler, e.g. speculative decoding)")
         stop = start + len(tokens)
-        n = len(tokens)
-        parts.append({
-            "token_id": np.asarray(tokens, np.int32),
-            "logprob": np.asarray(req["logprob"][start:stop], np.float32).reshape(n),
-            "topk_ids": np.asarray(req["topk_ids"][start:stop], np.int32).reshape(n, k),
-            "topk_logprobs": np.asarray(req["topk_logprobs"][start:stop], np.float32).reshape(n, k)})
+        parts.append({"token_id": tokens, "logprob": req["logprob"][start:stop].copy(),
+                      "topk_ids": req["topk_ids"][start:stop].copy(),
+                      "topk_logprobs": req["topk_logprobs"][start:stop].copy()})
     return parts
 
 
-def _run_start(rows: Sequence[int], tokens: Sequence[int]) -> int | None:
+def _run_start(rows: np.ndarray, tokens: np.ndarray) -> int | None:
     """The earliest offset at which `tokens` occur in `rows`, or None."""
     n = len(tokens)
-    for start in range(len(rows) - n + 1):
-        if list(rows[start:start + n]) == list(tokens):
-            return start
+    if n == 0:
+        return 0
+    for start in np.flatnonzero(rows[:max(0, len(rows) - n + 1)] == tokens[0]):
+        if np.array_equal(rows[start:start + n], tokens):
+            return int(start)
     return None
