@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -169,11 +170,14 @@ def gpu_section() -> list[str]:
 
 def gpu_capture_lines() -> list[str]:
     """The newest recorded capture-overhead and time-to-verdict round (speed-*capture.json, most
-    rounds, then newest), with the card it ran on: issue 24's measured state on the GPU lane."""
+    rounds, then the highest round number), with the card it ran on: issue 24's measured state on the GPU lane."""
     import statistics
 
-    found = sorted(GPU.glob("speed-*capture.json"), key=lambda p: (json.loads(p.read_text()).get("repeats", 0),
-                                                                     p.stat().st_mtime))
+    def rank(p: Path) -> tuple[int, int]:  # a clone gives every file one mtime: the round's number orders them
+        number = re.search(r"round(\d+)", p.name)
+        return json.loads(p.read_text()).get("repeats", 0), int(number.group(1)) if number else 0
+
+    found = sorted(GPU.glob("speed-*capture.json"), key=rank)
     if not found:
         return []
     path = found[-1]
