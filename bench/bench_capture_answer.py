@@ -89,7 +89,7 @@ def main(rounds: int = 15, against: str | None = None) -> dict:
     case = _case()
     first = {name: _once(m, case, codec)[1] for name, m in modules.items()}  # warm-up, and the same arrays?
     same = all(np.array_equal(np.asarray(a[key]), np.asarray(b[key]))
-               for a, b in zip(first["current"], first.get("against", first["current"])) for key in a)
+               for a, b in zip(first["current"], first["against"]) for key in a) if against else None
     seconds = {name: {part: [] for part in PARTS} for name in modules}
     for _ in range(rounds):
         for name, module in modules.items():
