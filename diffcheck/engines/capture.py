@@ -83,7 +83,7 @@ class CaptureWorker:
         self.model_runner.__dict__.pop("_sample", None)
         state.flush()
         answer = {"k": state.k, "unsampled": state.unsampled, "prompts": [], "counts": [],
-                  "tokens": b"", "logprob": b"", "topk_ids": b"", "topk_logprobs": b""}
+                  **dict.fromkeys(_FIELDS, b"")}
         if not state.done:
             return answer
         # One host copy per array for the whole run; rows grouped by engine request, in step order within
@@ -93,11 +93,15 @@ class CaptureWorker:
                             len(state.req_rows))
         order = np.argsort(codes, kind="stable")
         sampled, own, values, ids = (_host([d[i] for d in state.done]) for i in range(4))
-        answer.update(
-            prompts=[state.prompts.get(rid, "") for rid in names], counts=np.bincount(codes).tolist(),
-            tokens=_raw(sampled[order, 0], np.int32), logprob=_raw(own[order, 0], np.float32),
-            topk_ids=_raw(ids[order], np.int32), topk_logprobs=_raw(values[order], np.float32))
+        columns = {"tokens": sampled[order, 0], "logprob": own[order, 0], "topk_ids": ids[order],
+                   "topk_logprobs": values[order]}
+        answer.update(prompts=[state.prompts.get(rid, "") for rid in names], counts=np.bincount(codes).tolist(),
+                      **{name: np.ascontiguousarray(a, _FIELDS[name]).tobytes() for name, a in columns.items()})
         return answer
+
+
+# The answer's arrays as raw C-ordered bytes: name -> dtype (the top-k ones have k columns).
+_FIELDS = {"tokens": np.int32, "logprob": np.float32, "topk_ids": np.int32, "topk_logprobs": np.float32}
 
 
 def _host(parts: list) -> np.ndarray:
@@ -107,20 +111,13 @@ def _host(parts: list) -> np.ndarray:
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
 
 
-def _raw(array: np.ndarray, dtype) -> bytes:
-    """An array's values as C-ordered bytes of `dtype`."""
-    return np.ascontiguousarray(array, dtype).tobytes()
-
-
 def requests_of(answer: dict) -> list[dict]:
     """`CaptureWorker.diffcheck_capture_collect`'s answer, per engine request: its prompt key and its rows'
     sampled tokens, own logprobs, top-k ids and top-k logprobs as arrays (views of one buffer each)."""
     k, counts = int(answer["k"]), [int(c) for c in answer["counts"]]
     n = sum(counts)
-    arrays = {"tokens": np.frombuffer(answer["tokens"], np.int32).reshape(n),
-              "logprob": np.frombuffer(answer["logprob"], np.float32).reshape(n),
-              "topk_ids": np.frombuffer(answer["topk_ids"], np.int32).reshape(n, k),
-              "topk_logprobs": np.frombuffer(answer["topk_logprobs"], np.float32).reshape(n, k)}
+    arrays = {name: np.frombuffer(answer[name], dtype).reshape((n, k) if name.startswith("topk_") else n)
+              for name, dtype in _FIELDS.items()}
     out, start = [], 0
     for prompt, count in zip(answer["prompts"], counts):
         out.append({"prompt": prompt, **{key: a[start:start + count] for key, a in arrays.items()}})
